@@ -1,0 +1,1 @@
+"""Packaged demo sources (``demo:NAME``)."""

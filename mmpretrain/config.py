@@ -1,0 +1,246 @@
+"""Typed, validated experiment config: defaults -> YAML -> dotted ``key=value`` overrides.
+
+Every section is a pydantic model that rejects unknown keys, so a typo fails before any work with a
+message naming the key. Cross-field checks live here too, each with a message that says the fix.
+Durations that need the dataset size or the world size (epochs -> steps) are resolved once, in
+:func:`resolve_schedule`, and the resolved values are written with the config into the run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot run. Entry points print it and exit with code 2."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Strict):
+    train: str = Field(description="dataset folder with sizes.json (as `data_tools build` writes), or shard urls")
+    num_samples: int | None = Field(None, gt=0, description="samples per epoch; default: the total in sizes.json")
+    batch_size: int = Field(128, gt=0, description="per-rank batch size")
+    num_workers: int = Field(2, ge=0)
+    shuffle_buffer: int = Field(1000, ge=0, description="sample shuffle buffer per worker (0 = no sample shuffle)")
+
+
+class ModelConfig(_Strict):
+    arch: str = Field("mmpt-tiny-vit-minilm", description="open_clip architecture name (built-in or packaged)")
+    pretrained: str | None = Field(None, description="open_clip pretrained tag or checkpoint file")
+    text_model: str | None = Field(
+        None, description="Hub ID or local folder for an HF text tower; replaces the arch's hf_model_name"
+    )
+    lock_text: bool = Field(False, description="freeze the text tower (LiT); its projection stays trainable")
+    text_from_targets: bool = Field(
+        False,
+        description="with a locked mean-pooled HF text tower that is also the target encoder, compute text "
+        "features as proj(target embedding) instead of re-running the frozen transformer (identical result)",
+    )
+    overrides: dict[str, Any] = Field(default_factory=dict, description="merged into open_clip's model config")
+
+
+class TargetsConfig(_Strict):
+    model: str = Field(
+        "sentence-transformers/all-MiniLM-L6-v2",
+        description="frozen sentence-transformer for similarity targets (Hub ID or local folder)",
+    )
+    source: Literal["auto", "shards", "online"] = Field(
+        "auto", description="shards: stored {key}.emb.npy; online: encode captions each step; auto: shards if present"
+    )
+
+
+class LossTerm(_Strict):
+    name: str
+    weight: float = 1.0
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        from mmpretrain.losses import LOSSES
+
+        if v not in LOSSES:
+            raise ValueError(f"unknown objective {v!r}; choose one of {sorted(LOSSES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _options_construct(self) -> LossTerm:
+        from mmpretrain.losses import LOSSES
+
+        try:
+            LOSSES[self.name](**self.options)
+        except TypeError as e:
+            raise ValueError(f"bad options for objective {self.name!r}: {e}") from None
+        return self
+
+
+class OptimConfig(_Strict):
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = Field(1e-6, gt=0)
+    warmup_steps: int | None = Field(None, ge=0, description="default: 10% of total steps")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine floor as a fraction of lr")
+    grad_clip_norm: float | None = Field(1.0, gt=0)
+
+
+class TrainConfig(_Strict):
+    epochs: float | None = Field(None, gt=0, description="epochs of data.num_samples; converted to steps")
+    steps: int | None = Field(None, gt=0, description="optimizer steps; exclusive with epochs")
+    precision: Literal["no", "fp16", "bf16"] = "no"
+    log_every: int = Field(10, gt=0)
+    save_every: int | None = Field(None, gt=0, description="checkpoint every K steps (always one at the end)")
+    max_logit_scale: float = Field(100.0, gt=1.0, description="the scale is clamped to ln(this) after each step")
+    progress: bool = True
+
+    @model_validator(mode="after")
+    def _duration(self) -> TrainConfig:
+        if (self.epochs is None) == (self.steps is None):
+            raise ValueError("set exactly one of train.epochs and train.steps")
+        return self
+
+
+class ExperimentConfig(_Strict):
+    name: str = "run"
+    run_dir: str | None = Field(None, description="default: runs/<name>")
+    seed: int = 0
+    data: DataConfig
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    targets: TargetsConfig = Field(default_factory=TargetsConfig)
+    loss: list[LossTerm] = Field(default_factory=lambda: [LossTerm(name="clip")])
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=lambda: TrainConfig(epochs=1))
+
+    @model_validator(mode="after")
+    def _cross(self) -> ExperimentConfig:
+        if not self.loss:
+            raise ValueError("loss: give at least one term, e.g. [{name: clip}]")
+        if self.model.text_from_targets and not self.model.lock_text:
+            raise ValueError(
+                "model.text_from_targets needs model.lock_text=true (a trained text tower must run every step)"
+            )
+        return self
+
+    @property
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir) if self.run_dir else Path("runs") / self.name
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key; check its spelling against the documented keys (README, Config)")
+        elif e["type"] == "missing":
+            lines.append(f"  {key}: required key is missing; add it to the YAML or pass {key}=...")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"  {key}: {msg} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key.path=value (e.g. train.steps=100)")
+    key, raw = item.split("=", 1)
+    if not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"override {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def _set_path(tree: dict, path: list[str], value: Any, full: str) -> None:
+    node: Any = tree
+    for i, part in enumerate(path[:-1]):
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"override {full}: {'.'.join(path[:i])} has no item {part}")
+            node = node[int(part)]
+        else:
+            if part not in node or node[part] is None:
+                node[part] = {}
+            node = node[part]
+    last = path[-1]
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise ConfigError(f"override {full}: {'.'.join(path[:-1])} has no item {last}")
+        node[int(last)] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise ConfigError(f"override {full}: {'.'.join(path[:-1])} is a value, not a section")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Defaults -> YAML file -> dotted overrides, validated. Raises :class:`ConfigError`."""
+    tree: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} not found")
+        try:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+        tree = loaded or {}
+        source = str(p)
+    tree = json.loads(json.dumps(tree))  # deep copy with plain types
+    for item in overrides or []:
+        keys, value = parse_override(item)
+        _set_path(tree, keys, value, item)
+    if overrides:
+        source += " + overrides"
+    try:
+        return ExperimentConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None
+
+
+def to_yaml(cfg: ExperimentConfig, extra: dict[str, Any] | None = None) -> str:
+    data = cfg.model_dump(mode="json")
+    if extra:
+        data["resolved"] = extra
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def resolve_schedule(cfg: ExperimentConfig, dataset_samples: int, world_size: int) -> dict[str, int]:
+    """Convert durations to steps once: total steps, warm-up steps and samples per epoch."""
+    num_samples = cfg.data.num_samples or dataset_samples
+    global_batch = cfg.data.batch_size * world_size
+    steps_per_epoch = num_samples // global_batch
+    if steps_per_epoch == 0:
+        raise ConfigError(
+            f"data.batch_size={cfg.data.batch_size} x {world_size} rank(s) = {global_batch} exceeds the "
+            f"{num_samples} samples per epoch; lower data.batch_size"
+        )
+    if cfg.train.steps is not None:
+        total = cfg.train.steps
+    else:
+        total = max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
+    warmup = cfg.optim.warmup_steps if cfg.optim.warmup_steps is not None else total // 10
+    if warmup >= total:
+        raise ConfigError(f"optim.warmup_steps={warmup} must be below the {total} total steps")
+    return {
+        "total_steps": total,
+        "warmup_steps": warmup,
+        "steps_per_epoch": steps_per_epoch,
+        "num_samples": num_samples,
+        "global_batch_size": global_batch,
+        "world_size": world_size,
+    }

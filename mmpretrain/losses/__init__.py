@@ -1,0 +1,71 @@
+"""Objectives: one file each, one forward signature, dict output ``{"<name>_loss": tensor}``.
+
+``LOSSES[name](**options)`` -> ``nn.Module``; every constructor also accepts ``rank``,
+``world_size`` and ``chunk_size``. Forward keywords: ``image_features (B, D)``,
+``text_features (B, D)``, ``logit_scale`` (exponentiated), ``logit_bias``,
+``target_embeddings (B, E)``; unknown keywords are ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from mmpretrain.losses.clip import ClipLoss
+from mmpretrain.losses.soft_target import SoftTargetLoss
+
+LOSSES: dict[str, type[nn.Module]] = {
+    "clip": ClipLoss,
+    "soft_target": SoftTargetLoss,
+}
+
+
+class WeightedObjective(nn.Module):
+    """A weighted sum of named terms. Returns each term's ``*_loss`` already weighted (so the
+    trainer's sum of ``*_loss`` keys is the objective) plus ``<key>_unweighted`` for logging."""
+
+    def __init__(self, terms: Sequence[tuple[str, float, nn.Module]]):
+        super().__init__()
+        self.names = [n for n, _, _ in terms]
+        self.weights = [float(w) for _, w, _ in terms]
+        self.terms = nn.ModuleList([m for _, _, m in terms])
+
+    @property
+    def init_logit_scale(self) -> float:
+        return self.terms[0].init_logit_scale
+
+    @property
+    def init_logit_bias(self) -> float | None:
+        return self.terms[0].init_logit_bias
+
+    def forward(self, **inputs) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for weight, term in zip(self.weights, self.terms):
+            for key, value in term(**inputs).items():
+                if key.endswith("_loss"):
+                    out[key] = weight * value
+                    out[key[: -len("_loss")] + "_unweighted"] = value.detach()
+                else:
+                    out[key] = value
+        return out
+
+
+def build_objective(terms: Sequence[dict], rank: int = 0, world_size: int = 1) -> WeightedObjective:
+    """``terms``: ``[{"name": "clip", "weight": 1.0, "options": {...}}, ...]`` (the config's ``loss``)."""
+    built = []
+    seen = set()
+    for t in terms:
+        name = t["name"]
+        if name not in LOSSES:
+            raise ValueError(f"unknown objective {name!r}; choose one of {sorted(LOSSES)}")
+        if name in seen:
+            raise ValueError(f"objective {name!r} listed twice; give it one weight")
+        seen.add(name)
+        module = LOSSES[name](rank=rank, world_size=world_size, **t.get("options", {}))
+        built.append((name, t.get("weight", 1.0), module))
+    return WeightedObjective(built)
+
+
+__all__ = ["LOSSES", "ClipLoss", "SoftTargetLoss", "WeightedObjective", "build_objective"]

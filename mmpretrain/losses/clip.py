@@ -1,0 +1,97 @@
+"""CLIP / InfoNCE (Radford et al., 2021, "Learning Transferable Visual Models From Natural Language
+Supervision", Eq. in Fig. 3):
+
+    L = 1/2 [ CE(s X Y^T, arange(N)) + CE(s Y X^T, arange(N)) ]
+
+with ``X (N, D)`` image and ``Y (N, D)`` text features, L2-normalised, ``s`` the exponentiated scale.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmpretrain.losses.distributed import gather_with_grad, scale_grad
+
+
+class ClipLoss(nn.Module):
+    """Symmetric InfoNCE over the global batch.
+
+    Options: ``local_loss`` computes only this rank's rows ``s X_local Y_all^T`` (labels offset by
+    ``rank * B``); ``gather_with_grad`` keeps the graph through the gather. Every supported
+    combination gives, as the mean over ranks with DDP-averaged gradients, the value and gradient of
+    one process holding the whole batch. ``local_loss`` without ``gather_with_grad`` cannot (the
+    other ranks' columns would carry no gradient, open_clip #616/#894) and is rejected.
+    """
+
+    init_logit_scale = math.log(1 / 0.07)
+    init_logit_bias = None
+
+    def __init__(
+        self,
+        *,
+        local_loss: bool = False,
+        gather_with_grad: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+        chunk_size: int | None = None,
+    ):
+        super().__init__()
+        if local_loss and not gather_with_grad:
+            raise ValueError(
+                "local_loss=true needs gather_with_grad=true: without it the gradient of other ranks' "
+                "columns is lost (open_clip #616); set gather_with_grad=true"
+            )
+        if chunk_size is not None:
+            raise ValueError("chunk_size (tiled clip loss) is not implemented yet; leave it unset")
+        self.local_loss = local_loss
+        self.gather_with_grad = gather_with_grad
+        self.rank = rank
+        self.world_size = world_size
+
+    def forward(
+        self,
+        *,
+        image_features: torch.Tensor,
+        text_features: torch.Tensor,
+        logit_scale: torch.Tensor | float,
+        logit_bias: torch.Tensor | None = None,
+        target_embeddings: torch.Tensor | None = None,
+        **extra,
+    ) -> dict[str, torch.Tensor]:
+        """``image_features (B, D)``, ``text_features (B, D)`` local to this rank, normalised."""
+        b = image_features.shape[0]
+        if self.gather_with_grad or self.world_size == 1:
+            all_img = gather_with_grad(image_features, self.world_size)
+            all_txt = gather_with_grad(text_features, self.world_size)
+        else:
+            all_img = _gather_keep_local(image_features, self.rank, self.world_size)
+            all_txt = _gather_keep_local(text_features, self.rank, self.world_size)
+        if self.local_loss:
+            logits_i = logit_scale * image_features @ all_txt.T
+            logits_t = logit_scale * text_features @ all_img.T
+            labels = torch.arange(b, device=image_features.device) + self.rank * b
+        else:
+            logits_i = logit_scale * all_img @ all_txt.T
+            logits_t = logits_i.T
+            labels = torch.arange(all_img.shape[0], device=image_features.device)
+        if logit_bias is not None:
+            logits_i = logits_i + logit_bias
+            logits_t = logits_t + logit_bias
+        loss = 0.5 * (F.cross_entropy(logits_i, labels) + F.cross_entropy(logits_t, labels))
+        if not self.gather_with_grad and self.world_size > 1:
+            # Each rank only back-propagates into its own slice; DDP's 1/world averaging then needs
+            # the full-matrix gradient scaled back up to match one process.
+            loss = scale_grad(loss, float(self.world_size))
+        return {"clip_loss": loss}
+
+
+def _gather_keep_local(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    from mmpretrain.losses.distributed import gather_no_grad
+
+    parts = list(gather_no_grad(x.detach(), world_size).chunk(world_size))
+    parts[rank] = x
+    return torch.cat(parts, dim=0)

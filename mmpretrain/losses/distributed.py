@@ -1,0 +1,33 @@
+"""Collectives for objectives. Rank and world size are always explicit (never guessed)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def gather_with_grad(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """All-gather ``x (B, D)`` from every rank into ``(world_size * B, D)``, rank-major, keeping the
+    autograd graph: the backward pass sums each slice's gradient over ranks (as open_clip's
+    ``gather_with_grad``)."""
+    if world_size == 1:
+        return x
+    import torch.distributed.nn
+
+    return torch.cat(torch.distributed.nn.all_gather(x), dim=0)
+
+
+def gather_no_grad(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """All-gather a tensor that needs no gradient (targets, labels)."""
+    if world_size == 1:
+        return x
+    out = [torch.empty_like(x) for _ in range(world_size)]
+    dist.all_gather(out, x.contiguous())
+    return torch.cat(out, dim=0)
+
+
+def scale_grad(loss: torch.Tensor, factor: float) -> torch.Tensor:
+    """Same value as ``loss``, gradient multiplied by ``factor``."""
+    if factor == 1:
+        return loss
+    return loss + (factor - 1) * (loss - loss.detach())

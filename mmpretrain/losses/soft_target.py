@@ -1,0 +1,112 @@
+"""Soft targets from a frozen text encoder: X-CLR (Sobal et al., ICLR 2025, "X-Sample Contrastive
+Loss: Improving Contrastive Learning with Sample Similarity Graphs").
+
+Targets ``G = softmax_r(T T^T / tau_s)`` from frozen caption embeddings ``T (N, E)`` (detached).
+
+* ``space="image_text"`` (soft-target CLIP, symmetric)::
+
+      L = -1/(2N) sum_ij G_ij [log softmax_j(s x_i.y_j) + log softmax_j(s y_i.x_j)]
+
+  ``G = I`` gives CLIP.
+* ``space="image_image"`` (the paper's form): ``Z = X X'^T / tau`` over two views
+  (``image_features_2``); ``L = -1/N sum_ij G_ij log softmax_j(Z_ij)``. With one view the trivial
+  diagonal is masked out of both ``G`` and ``Z``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmpretrain.losses.distributed import gather_no_grad, gather_with_grad
+
+
+def soft_targets(local_t: torch.Tensor, all_t: torch.Tensor, tau: float, mask_offset: int | None = None):
+    """Rows of ``softmax_r(T T^T / tau)`` for ``local_t (b, E)`` against ``all_t (N, E)``.
+    ``mask_offset`` masks entry ``(i, i + offset)`` (the trivial self pair)."""
+    sim = (local_t.float() @ all_t.float().T) / tau
+    if mask_offset is not None:
+        idx = torch.arange(local_t.shape[0], device=sim.device)
+        sim[idx, idx + mask_offset] = float("-inf")
+    return sim.softmax(dim=1)
+
+
+class SoftTargetLoss(nn.Module):
+    init_logit_scale = math.log(1 / 0.07)
+    init_logit_bias = None
+
+    def __init__(
+        self,
+        *,
+        target_temperature: float = 0.1,
+        space: Literal["image_text", "image_image"] = "image_text",
+        temperature: float = 0.1,
+        rank: int = 0,
+        world_size: int = 1,
+        chunk_size: int | None = None,
+    ):
+        super().__init__()
+        if target_temperature <= 0 or temperature <= 0:
+            raise ValueError("target_temperature and temperature must be > 0")
+        if space not in ("image_text", "image_image"):
+            raise ValueError(f"space must be 'image_text' or 'image_image', got {space!r}")
+        if chunk_size is not None:
+            raise ValueError("chunk_size (tiled soft-target loss) is not implemented yet; leave it unset")
+        self.target_temperature = target_temperature
+        self.space = space
+        self.temperature = temperature
+        self.rank = rank
+        self.world_size = world_size
+
+    def forward(
+        self,
+        *,
+        image_features: torch.Tensor,
+        text_features: torch.Tensor,
+        logit_scale: torch.Tensor | float,
+        logit_bias: torch.Tensor | None = None,
+        target_embeddings: torch.Tensor | None = None,
+        image_features_2: torch.Tensor | None = None,
+        **extra,
+    ) -> dict[str, torch.Tensor]:
+        """``image_features``, ``text_features``, ``image_features_2`` ``(B, D)``; ``target_embeddings (B, E)``."""
+        if target_embeddings is None:
+            raise ValueError(
+                "soft_target needs target_embeddings (frozen caption embeddings): run `data_tools embed` "
+                "on the shards or set targets.source=online"
+            )
+        b = image_features.shape[0]
+        t_local = F.normalize(target_embeddings.detach().float(), dim=-1)
+        t_all = gather_no_grad(t_local, self.world_size)
+        offset = self.rank * b
+        # Every rank computes its own rows against all columns; the mean over ranks of these
+        # row-means is the global mean, and gather_with_grad sums the column gradients.
+        if self.space == "image_text":
+            all_img = gather_with_grad(image_features, self.world_size)
+            all_txt = gather_with_grad(text_features, self.world_size)
+            g = soft_targets(t_local, t_all, self.target_temperature)
+            logits_i = logit_scale * image_features @ all_txt.T
+            logits_t = logit_scale * text_features @ all_img.T
+            if logit_bias is not None:
+                logits_i, logits_t = logits_i + logit_bias, logits_t + logit_bias
+            ce_i = -(g * F.log_softmax(logits_i, dim=1)).sum(1).mean()
+            ce_t = -(g * F.log_softmax(logits_t, dim=1)).sum(1).mean()
+            return {"soft_target_loss": 0.5 * (ce_i + ce_t)}
+        if image_features_2 is not None:
+            other = gather_with_grad(image_features_2, self.world_size)
+            g = soft_targets(t_local, t_all, self.target_temperature)
+            z = image_features @ other.T / self.temperature
+        else:
+            other = gather_with_grad(image_features, self.world_size)
+            g = soft_targets(t_local, t_all, self.target_temperature, mask_offset=offset)
+            z = image_features @ other.T / self.temperature
+            idx = torch.arange(b, device=z.device)
+            z = z.index_put((idx, idx + offset), torch.tensor(float("-inf"), device=z.device, dtype=z.dtype))
+        logp = F.log_softmax(z, dim=1)
+        # masked entries have g = 0 and logp = -inf; 0 * -inf would be nan
+        loss = -(g * logp.masked_fill(g == 0, 0.0)).sum(1).mean()
+        return {"soft_target_loss": loss}

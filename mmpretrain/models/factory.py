@@ -1,0 +1,243 @@
+"""Build image/text towers through open_clip; load trained models from run and export folders.
+
+A model is described by an open_clip ``model_cfg`` dict plus a ``preprocess_cfg`` dict, exactly the
+two halves of open_clip's ``open_clip_config.json``; the run folder keeps that file
+(``model_config.json``), so a checkpoint never loses the architecture it was trained with.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import open_clip
+import torch
+import torch.nn.functional as F
+from open_clip.transform import PreprocessCfg, image_transform_v2
+from torch import nn
+
+PACKAGED_CONFIGS = Path(__file__).resolve().parent.parent / "model_configs"
+_registered = False
+
+
+def register_packaged_configs() -> None:
+    """Make the packaged tiny architectures (``mmpt-*``) known to open_clip by name."""
+    global _registered
+    if not _registered:
+        open_clip.add_model_config(PACKAGED_CONFIGS)
+        _registered = True
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def is_hf_text(model_cfg: dict) -> bool:
+    return "hf_model_name" in model_cfg.get("text_cfg", {})
+
+
+def resolve_model_cfg(arch: str, text_model: str | None = None, overrides: dict | None = None) -> dict:
+    """The open_clip model config actually trained: the named arch, overrides merged in."""
+    register_packaged_configs()
+    cfg = open_clip.get_model_config(arch)
+    if cfg is None:
+        raise ValueError(
+            f"model.arch={arch!r} is not an open_clip architecture; choose one of open_clip.list_models() "
+            f"(packaged tiny ones: {sorted(p.stem for p in PACKAGED_CONFIGS.glob('*.json'))})"
+        )
+    cfg = _deep_merge(cfg, overrides or {})
+    if text_model is not None:
+        if not is_hf_text(cfg):
+            raise ValueError(
+                f"model.text_model is set but arch {arch!r} has no Hugging Face text tower; "
+                "use an arch with text_cfg.hf_model_name (e.g. mmpt-tiny-vit-minilm)"
+            )
+        cfg["text_cfg"]["hf_model_name"] = text_model
+        cfg["text_cfg"]["hf_tokenizer_name"] = text_model
+    return cfg
+
+
+def default_preprocess_cfg(model_cfg: dict) -> dict:
+    return asdict(PreprocessCfg(size=model_cfg["vision_cfg"]["image_size"]))
+
+
+def instantiate(model_cfg: dict, load_text_weights: bool) -> nn.Module:
+    """An open_clip ``CLIP`` or ``CustomTextCLIP`` from a config dict (as open_clip's factory does).
+    ``load_text_weights`` loads the HF text tower's pretrained weights (training from scratch);
+    when a full checkpoint follows, only its config is needed."""
+    cfg = copy.deepcopy(model_cfg)
+    hf = is_hf_text(cfg)
+    if hf:
+        cfg["text_cfg"]["hf_model_pretrained"] = load_text_weights
+    custom = cfg.pop("custom_text", False) or hf
+    cls = open_clip.CustomTextCLIP if custom else open_clip.CLIP
+    return cls(**cfg)
+
+
+def make_tokenizer(model_cfg: dict):
+    text_cfg = model_cfg.get("text_cfg", {})
+    ctx = text_cfg.get("context_length", 77)
+    if text_cfg.get("hf_tokenizer_name"):
+        return open_clip.tokenizer.HFTokenizer(text_cfg["hf_tokenizer_name"], context_length=ctx)
+    return open_clip.tokenizer.SimpleTokenizer(context_length=ctx)
+
+
+class DualEncoder(nn.Module):
+    """The trained module: an open_clip model plus the precomputed-text shortcut.
+
+    ``forward`` returns named, normalised features. With ``text_from_targets`` (a locked,
+    mean-pooled HF text tower that is also the target encoder) text features are
+    ``normalize(proj(t))`` for the stored target embedding ``t``: because the projection is linear
+    without bias and ``t`` is the normalised mean-pooled output of the same frozen transformer, this
+    equals ``encode_text(tokens)`` exactly, without running the transformer.
+    """
+
+    def __init__(self, clip: nn.Module, text_from_targets: bool = False):
+        super().__init__()
+        self.clip = clip
+        self.text_from_targets = text_from_targets
+
+    def forward(
+        self,
+        images: torch.Tensor,
+        tokens: torch.Tensor | None = None,
+        target_embeddings: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """``images (B, 3, H, W)``, ``tokens (B, L)``, ``target_embeddings (B, E)``."""
+        image_features = self.clip.encode_image(images, normalize=True)
+        if self.text_from_targets:
+            text_features = F.normalize(self.clip.text.proj(target_embeddings.to(image_features.dtype)), dim=-1)
+        else:
+            text_features = self.clip.encode_text(tokens, normalize=True)
+        return {
+            "image_features": image_features,
+            "text_features": text_features,
+            "logit_scale": self.clip.logit_scale.exp(),
+            "logit_bias": self.clip.logit_bias,
+        }
+
+
+def check_text_from_targets(model_cfg: dict, targets_model: str) -> None:
+    """Raise ValueError unless ``proj(target embedding)`` equals the text tower's output."""
+    text_cfg = model_cfg.get("text_cfg", {})
+    problems = []
+    if not is_hf_text(model_cfg):
+        problems.append("the arch has no Hugging Face text tower")
+    else:
+        if text_cfg.get("hf_pooler_type") != "mean_pooler":
+            problems.append("text_cfg.hf_pooler_type must be mean_pooler (as sentence-transformers pools)")
+        if text_cfg.get("hf_proj_type") != "linear":
+            problems.append("text_cfg.hf_proj_type must be linear (bias-free, so normalisation commutes)")
+        if text_cfg.get("hf_model_name") != targets_model:
+            problems.append(
+                f"the text tower ({text_cfg.get('hf_model_name')}) must be the target encoder ({targets_model})"
+            )
+    if problems:
+        raise ValueError("model.text_from_targets=true is not exact here: " + "; ".join(problems))
+
+
+def build_dual_encoder(
+    model_cfg: dict,
+    *,
+    pretrained: str | None = None,
+    arch: str | None = None,
+    lock_text: bool = False,
+    text_from_targets: bool = False,
+    init_logit_scale: float | None = None,
+    init_logit_bias: float | None = None,
+) -> DualEncoder:
+    """The model to train. ``init_logit_*`` come from the objective's declared preferences."""
+    model_cfg = copy.deepcopy(model_cfg)
+    if init_logit_scale is not None:
+        model_cfg["init_logit_scale"] = init_logit_scale
+    if init_logit_bias is not None:
+        model_cfg["init_logit_bias"] = init_logit_bias
+    clip = instantiate(model_cfg, load_text_weights=pretrained is None)
+    if pretrained is not None:
+        ckpt = pretrained
+        if not Path(ckpt).is_file():
+            register_packaged_configs()
+            tag_cfg = open_clip.get_pretrained_cfg(arch, pretrained)
+            if not tag_cfg:
+                raise ValueError(f"model.pretrained={pretrained!r} is neither a file nor a tag of {arch!r}")
+            ckpt = open_clip.download_pretrained(tag_cfg)
+        open_clip.load_checkpoint(clip, ckpt, strict=False, weights_only=True)
+    if lock_text:
+        clip.lock_text_tower(unlocked_layers=0, freeze_layer_norm=True)
+    return DualEncoder(clip, text_from_targets=text_from_targets)
+
+
+# ---------------------------------------------------------------- loading trained models
+
+_STEP_RE = re.compile(r"^step_(\d{8})$")
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete ``checkpoints/step_{N:08d}`` (complete = its train_state.json exists)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    done = [p for p in root.iterdir() if _STEP_RE.match(p.name) and (p / "train_state.json").is_file()]
+    return max(done, key=lambda p: int(p.name[5:]), default=None)
+
+
+def read_open_clip_config(path: Path) -> tuple[dict, dict]:
+    data = json.loads(path.read_text())
+    return data["model_cfg"], data.get("preprocess_cfg", {})
+
+
+def load_run_clip(run_dir: str | Path, device: str = "cpu") -> tuple[nn.Module, dict, dict]:
+    """The open_clip model of a run's latest checkpoint, with its model and preprocess configs."""
+    from safetensors.torch import load_file
+
+    run_dir = Path(run_dir)
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise FileNotFoundError(f"{run_dir} has no complete checkpoint under checkpoints/step_*/")
+    model_cfg, preprocess_cfg = read_open_clip_config(run_dir / "model_config.json")
+    clip = instantiate(model_cfg, load_text_weights=False)
+    state = load_file(str(ckpt / "model.safetensors"), device="cpu")
+    state = {k[len("clip."):]: v for k, v in state.items() if k.startswith("clip.")}
+    clip.load_state_dict(state, strict=True)
+    return clip.to(device).eval(), model_cfg, preprocess_cfg
+
+
+def load_model(path: str, device: str = "cpu", pretrained: str | None = None):
+    """``(model, preprocess, tokenizer)`` from a run folder, an export folder (``local-dir:`` too),
+    ``hf-hub:ID``, or an open_clip architecture name with ``pretrained``."""
+    register_packaged_configs()
+    spec = str(path)
+    if spec.startswith("hf-hub:"):
+        model, preprocess = open_clip.create_model_from_pretrained(spec, device=device)
+        return model.eval(), preprocess, open_clip.get_tokenizer(spec)
+    folder = Path(spec.removeprefix("local-dir:"))
+    if (folder / "open_clip_config.json").is_file():
+        ref = "local-dir:" + str(folder)
+        model, preprocess = open_clip.create_model_from_pretrained(ref, device=device)
+        return model.eval(), preprocess, open_clip.get_tokenizer(ref)
+    if (folder / "model_config.json").is_file() and (folder / "checkpoints").is_dir():
+        clip, model_cfg, preprocess_cfg = load_run_clip(folder, device)
+        preprocess = image_transform_v2(PreprocessCfg(**preprocess_cfg), is_train=False)
+        return clip, preprocess, make_tokenizer(model_cfg)
+    if spec.startswith("local-dir:") or folder.exists():
+        raise FileNotFoundError(
+            f"{folder} is neither a run folder (model_config.json + checkpoints/) nor an export folder "
+            "(open_clip_config.json)"
+        )
+    if spec in open_clip.list_models():
+        model, _, preprocess = open_clip.create_model_and_transforms(spec, pretrained=pretrained, device=device)
+        return model.eval(), preprocess, open_clip.get_tokenizer(spec)
+    raise ValueError(
+        f"--model {spec!r}: not a folder, not hf-hub:ID, and not an open_clip architecture "
+        "(see open_clip.list_models())"
+    )
