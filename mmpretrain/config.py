@@ -201,6 +201,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         tree = loaded or {}
         source = str(p)
     tree = json.loads(json.dumps(tree))  # deep copy with plain types
+    for name, field_info in ExperimentConfig.model_fields.items():
+        # list-valued defaults must exist in the tree for overrides such as loss.0.weight=2
+        if name not in tree and field_info.default_factory is not None:
+            default = field_info.default_factory()
+            if isinstance(default, list):
+                tree[name] = [d.model_dump() if isinstance(d, BaseModel) else d for d in default]
     for item in overrides or []:
         keys, value = parse_override(item)
         _set_path(tree, keys, value, item)

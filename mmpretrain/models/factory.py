@@ -102,10 +102,17 @@ class DualEncoder(nn.Module):
     equals ``encode_text(tokens)`` exactly, without running the transformer.
     """
 
-    def __init__(self, clip: nn.Module, text_from_targets: bool = False):
+    def __init__(self, clip: nn.Module, text_from_targets: bool = False, lock_text: bool = False):
         super().__init__()
         self.clip = clip
         self.text_from_targets = text_from_targets
+        self.lock_text = lock_text
+
+    def train(self, mode: bool = True) -> DualEncoder:
+        super().train(mode)
+        if self.lock_text:
+            self.clip.text.eval()  # a locked tower runs deterministically (no dropout), as in LiT
+        return self
 
     def forward(
         self,
@@ -174,7 +181,7 @@ def build_dual_encoder(
         open_clip.load_checkpoint(clip, ckpt, strict=False, weights_only=True)
     if lock_text:
         clip.lock_text_tower(unlocked_layers=0, freeze_layer_norm=True)
-    return DualEncoder(clip, text_from_targets=text_from_targets)
+    return DualEncoder(clip, text_from_targets=text_from_targets, lock_text=lock_text)
 
 
 # ---------------------------------------------------------------- loading trained models

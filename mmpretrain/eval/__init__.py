@@ -1,0 +1,124 @@
+"""Evaluation: zero-shot classification and retrieval (more tasks follow), clip_benchmark's metric
+names, ``results.json`` with chance levels. ``Evaluator(...).run(model)`` is what a trainer calls."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmpretrain.eval.datasets import EvalDataset, load_dataset
+from mmpretrain.eval.retrieval import retrieval_chance, retrieval_metrics
+from mmpretrain.eval.zero_shot import DEFAULT_TEMPLATES, build_classifier, classification_chance, classification_metrics
+
+TASKS = ("zeroshot_classification", "zeroshot_retrieval")
+
+
+def _batches(ds: EvalDataset, preprocess, batch_size: int):
+    images, items = [], []
+    for s in ds:
+        images.append(preprocess(s.image))
+        items.append(s)
+        if len(images) == batch_size:
+            yield torch.stack(images), items
+            images, items = [], []
+    if images:
+        yield torch.stack(images), items
+
+
+@torch.no_grad()
+def zeroshot_classification(model, preprocess, tokenizer, ds: EvalDataset, batch_size: int, device) -> dict:
+    if not ds.classnames:
+        raise ValueError(f"{ds.name}: no class names (classnames.txt or the manifest's classnames)")
+    templates = ds.templates or list(DEFAULT_TEMPLATES)
+    w = build_classifier(model, tokenizer, ds.classnames, templates, device)
+    logits, labels = [], []
+    for images, items in _batches(ds, preprocess, batch_size):
+        keep = [i for i, it in enumerate(items) if it.label is not None]
+        if not keep:
+            continue
+        feats = model.encode_image(images[keep].to(device), normalize=True)
+        logits.append((feats @ w).float().cpu())
+        labels += [items[i].label for i in keep]
+    if not labels:
+        raise ValueError(f"{ds.name}: no labelled samples for zero-shot classification")
+    logits_t, labels_t = torch.cat(logits), torch.tensor(labels)
+    c = len(ds.classnames)
+    return {"n": len(labels), "metrics": classification_metrics(logits_t, labels_t, c),
+            "chance": classification_chance(c)}
+
+
+@torch.no_grad()
+def zeroshot_retrieval(model, preprocess, tokenizer, ds: EvalDataset, batch_size: int, device,
+                       recall_k: list[int]) -> dict:
+    img_feats, texts, owner, per_image = [], [], [], []
+    for images, items in _batches(ds, preprocess, batch_size):
+        img_feats.append(model.encode_image(images.to(device), normalize=True).float().cpu())
+        for it in items:
+            per_image.append(len(it.captions))
+            owner += [len(per_image) - 1] * len(it.captions)
+            texts += it.captions
+    if not texts:
+        raise ValueError(f"{ds.name}: no captions for retrieval")
+    txt_feats = torch.cat([model.encode_text(tokenizer(texts[i:i + batch_size]).to(device), normalize=True)
+                           .float().cpu() for i in range(0, len(texts), batch_size)])
+    image_features = torch.cat(img_feats)
+    return {"n": image_features.shape[0],
+            "metrics": retrieval_metrics(image_features, txt_feats, torch.tensor(owner), recall_k),
+            "chance": retrieval_chance(image_features.shape[0], [c for c in per_image if c > 0] or [1], recall_k)}
+
+
+def evaluate(model, preprocess, tokenizer, dataset: str | EvalDataset, task: str, *, model_name: str = "",
+             batch_size: int = 256, recall_k: list[int] | None = None, device: str = "cpu") -> dict[str, Any]:
+    """One ``results.json`` entry."""
+    ds = load_dataset(dataset) if isinstance(dataset, str) else dataset
+    model.eval()
+    if task == "zeroshot_classification":
+        res = zeroshot_classification(model, preprocess, tokenizer, ds, batch_size, device)
+    elif task == "zeroshot_retrieval":
+        res = zeroshot_retrieval(model, preprocess, tokenizer, ds, batch_size, device, recall_k or [1, 5, 10])
+    else:
+        raise ValueError(f"task {task!r} is not available yet; choose one of {TASKS}")
+    return {"dataset": ds.name, "task": task, "model": model_name, **res}
+
+
+@dataclass
+class Evaluator:
+    """``run(model, preprocess, tokenizer) -> list of results entries`` for several (dataset, task)."""
+
+    jobs: list[tuple[str, str]]
+    batch_size: int = 256
+    recall_k: list[int] = field(default_factory=lambda: [1, 5, 10])
+    device: str = "cpu"
+
+    def run(self, model, preprocess, tokenizer, model_name: str = "") -> list[dict[str, Any]]:
+        return [evaluate(model, preprocess, tokenizer, d, t, model_name=model_name, batch_size=self.batch_size,
+                         recall_k=self.recall_k, device=self.device) for d, t in self.jobs]
+
+
+def merge_results(path: str | Path, entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Add ``entries`` to ``path`` (replacing ones with the same dataset, task and model)."""
+    path = Path(path)
+    data = json.loads(path.read_text()) if path.is_file() else {"results": []}
+    ident = lambda e: (e["dataset"], e["task"], e["model"])  # noqa: E731
+    new = {ident(e) for e in entries}
+    data["results"] = [e for e in data.get("results", []) if ident(e) not in new] + entries
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return data
+
+
+def format_table(entries: list[dict[str, Any]]) -> str:
+    rows = [("dataset", "task", "metric", "value", "chance", "x chance")]
+    for e in entries:
+        for k, v in e["metrics"].items():
+            ch = e.get("chance", {}).get(k)
+            rows.append((e["dataset"], e["task"], k, f"{v:.4f}", f"{ch:.4f}" if ch is not None else "-",
+                         f"{v / ch:.1f}" if ch else "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,60 @@
+"""``python -m mmpretrain.eval --model MODEL --dataset SPEC --task TASK [...]``.
+
+MODEL: a run folder (latest checkpoint), an export folder, ``local-dir:DIR``, ``hf-hub:ID``, or an
+open_clip architecture name with ``--pretrained``. Prints a table (each metric beside its chance
+level) and, with ``--output``, adds the entries to a ``results.json``. Exit: 0 ok, 1 failed, 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mmpretrain.eval import TASKS
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mmpretrain.eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="run folder, export folder, local-dir:DIR, hf-hub:ID or arch")
+    p.add_argument("--pretrained", default=None, help="open_clip pretrained tag or file (with an arch name)")
+    p.add_argument("--dataset", required=True, nargs="+",
+                   help="dataset folder(s): clip_benchmark wds layout (wds:DIR) or shards (shards:DIR)")
+    p.add_argument("--task", required=True, nargs="+", choices=TASKS, help="one task per dataset, or one for all")
+    p.add_argument("--recall_k", type=int, nargs="+", default=[1, 5, 10])
+    p.add_argument("--batch_size", type=int, default=256)
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--output", default=None, help="results.json to create or add to")
+    args = p.parse_args(argv)
+    if len(args.task) not in (1, len(args.dataset)):
+        print("error: give one --task, or one per --dataset", file=sys.stderr)
+        return 2
+    tasks = args.task * len(args.dataset) if len(args.task) == 1 else args.task
+
+    import torch
+
+    from mmpretrain.eval import evaluate, format_table, merge_results
+    from mmpretrain.eval.datasets import load_dataset
+    from mmpretrain.models.factory import load_model
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        datasets = [load_dataset(d) for d in args.dataset]
+        model, preprocess, tokenizer = load_model(args.model, device=device, pretrained=args.pretrained)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    entries = [evaluate(model, preprocess, tokenizer, ds, task, model_name=args.model,
+                        batch_size=args.batch_size, recall_k=args.recall_k, device=device)
+               for ds, task in zip(datasets, tasks)]
+    print(format_table(entries))
+    if args.output:
+        merge_results(args.output, entries)
+    else:
+        print(json.dumps({"results": entries}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

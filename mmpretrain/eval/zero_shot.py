@@ -1,0 +1,41 @@
+"""Zero-shot classification (Radford et al. 2021): per class, encode every template with the class
+name, normalise, average, renormalise -> ``(D, C)`` classifier; score ``img @ W``. Metrics as
+clip_benchmark names them: ``acc1``, ``acc5``, ``mean_per_class_recall``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_TEMPLATES = ("a photo of a {c}.", "a {c}.", "an image of a {c}.")
+
+
+@torch.no_grad()
+def build_classifier(model, tokenizer, classnames: list[str], templates: list[str], device) -> torch.Tensor:
+    """``(D, C)``: the mean normalised text embedding of each class over the templates, renormalised."""
+    columns = []
+    for c in classnames:
+        texts = [t.replace("{c}", c) for t in templates]
+        emb = model.encode_text(tokenizer(texts).to(device), normalize=True)
+        columns.append(F.normalize(emb.mean(0), dim=-1))
+    return torch.stack(columns, dim=1)
+
+
+def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, num_classes: int) -> dict[str, float]:
+    """``logits (N, C)``, ``labels (N,)``."""
+    k = min(5, num_classes)
+    topk = logits.topk(k, dim=1).indices
+    hit1 = topk[:, 0] == labels
+    hitk = (topk == labels[:, None]).any(1)
+    recalls = [hit1[labels == c].float().mean().item() for c in range(num_classes) if (labels == c).any()]
+    return {
+        "acc1": hit1.float().mean().item(),
+        "acc5": hitk.float().mean().item(),
+        "mean_per_class_recall": sum(recalls) / len(recalls),
+    }
+
+
+def classification_chance(num_classes: int) -> dict[str, float]:
+    """What a uniformly random ranking of the classes scores in expectation."""
+    return {"acc1": 1 / num_classes, "acc5": min(5, num_classes) / num_classes,
+            "mean_per_class_recall": 1 / num_classes}

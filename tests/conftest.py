@@ -1,0 +1,52 @@
+"""Tests run offline: HF_HUB_OFFLINE=1, a private Hugging Face cache seeded from the packaged
+model, and no network sockets except loopback (gloo uses 127.0.0.1)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def pytest_configure(config):
+    cache = Path(os.environ.get("MMPT_TEST_HF_HOME", "/tmp/mmpt-test-hf-home"))
+    os.environ["HF_HOME"] = str(cache)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from mmpretrain.hub_cache import seed_demo_models
+
+    seed_demo_models(cache / "hub")
+
+
+@pytest.fixture(autouse=True)
+def _no_network():
+    import pytest_socket
+
+    pytest_socket.socket_allow_hosts(["127.0.0.1", "localhost", "::1"], allow_unix_socket=True)
+    yield
+    pytest_socket.enable_socket()
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``python -m ...`` as a user would, with the test environment."""
+    return subprocess.run([sys.executable, "-m", *args], cwd=cwd or ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ))
+
+
+@pytest.fixture(scope="session")
+def openmoji(tmp_path_factory) -> Path:
+    """A small real dataset: 500 OpenMoji emoji, built and embedded through the public commands."""
+    out = tmp_path_factory.mktemp("data") / "openmoji"
+    r = run_cli("data_tools", "build", "demo:openmoji", "--out", str(out), "--image-size", "32",
+                "--shard-size", "50", "--limit", "500")
+    assert r.returncode == 0, r.stderr
+    r = run_cli("data_tools", "embed", str(out), "--model", TEXT_MODEL)
+    assert r.returncode == 0, r.stderr
+    return out

@@ -1,0 +1,69 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mmpretrain.config import ConfigError, load_config, resolve_schedule
+from mmpretrain.train import main as train_main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write(tmp_path, data) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+BASE = {"data": {"train": "x"}, "train": {"steps": 10}}
+
+
+def test_defaults_yaml_overrides_precedence(tmp_path):
+    cfg = load_config(write(tmp_path, {**BASE, "optim": {"lr": 0.01}}), ["optim.lr=0.5", "loss.0.weight=2"])
+    assert cfg.optim.lr == 0.5 and cfg.loss[0].weight == 2.0
+    assert cfg.optim.weight_decay == 0.1  # default kept
+    assert cfg.resolved_run_dir == Path("runs/run")
+
+
+@pytest.mark.parametrize(
+    "data, overrides, needle",
+    [
+        ({**BASE, "optimm": {}}, [], "optimm: unknown key"),
+        (BASE, ["data.batch_sise=3"], "data.batch_sise: unknown key"),
+        (BASE, ["data.batch_size=abc"], "data.batch_size"),
+        (BASE, ["data.batch_size=-4"], "data.batch_size"),
+        ({"train": {"steps": 1}}, [], "data: required key is missing"),
+        (BASE, ["train.epochs=2"], "exactly one of train.epochs and train.steps"),
+        (BASE, ["loss.0.name=clipp"], "unknown objective 'clipp'"),
+        ({**BASE, "loss": [{"name": "clip", "options": {"local_los": True}}]}, [], "bad options for objective 'clip'"),
+        (BASE, ["model.text_from_targets=true"], "needs model.lock_text=true"),
+        (BASE, ["novalue"], "key.path=value"),
+        (BASE, ["loss.3.weight=1"], "has no item 3"),
+    ],
+)
+def test_rejected_with_key_named(tmp_path, data, overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, data), overrides)
+    assert needle in str(e.value)
+
+
+def test_schedule_resolution():
+    cfg = load_config(None, ["data.train=x", "train.epochs=2", "data.batch_size=10"])
+    s = resolve_schedule(cfg, dataset_samples=105, world_size=2)
+    assert s["steps_per_epoch"] == 5 and s["total_steps"] == 10 and s["warmup_steps"] == 1
+    with pytest.raises(ConfigError, match="lower data.batch_size"):
+        resolve_schedule(cfg, dataset_samples=15, world_size=2)
+
+
+def test_train_exits_2_before_work(tmp_path, capsys):
+    cfg = write(tmp_path, {**BASE, "modell": {}})
+    assert train_main(["--config", str(cfg)]) == 2
+    assert "modell: unknown key" in capsys.readouterr().err
+    cfg = write(tmp_path, {"data": {"train": str(tmp_path / "missing")}, "train": {"steps": 1}})
+    assert train_main(["--config", str(cfg), f"run_dir={tmp_path / 'run'}"]) == 2
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")))
+def test_shipped_configs_validate(path):
+    load_config(path)
