@@ -42,15 +42,20 @@ def _load_encoder(model: str, device: str | None):
     return enc
 
 
-def embed_folder(folder: Path, model: str, *, overwrite: bool, batch_size: int, encoder=None,
-                 device: str | None = None) -> dict:
-    manifest = read_manifest(folder)
-    recorded = (manifest.get("embedding") or {}).get("model")
+def check_model(folder: Path, model: str, overwrite: bool) -> None:
+    recorded = (read_manifest(folder).get("embedding") or {}).get("model")
     if recorded and recorded != model and not overwrite:
         raise EmbedError(
             f"{folder / MANIFEST} records embeddings from {recorded!r}; embedding with {model!r} would mix "
             "two spaces. Pass --overwrite to replace them"
         )
+
+
+def embed_folder(folder: Path, model: str, *, overwrite: bool, batch_size: int, encoder=None,
+                 device: str | None = None) -> dict:
+    check_model(folder, model, overwrite)
+    manifest = read_manifest(folder)
+    recorded = (manifest.get("embedding") or {}).get("model")
     done = set(manifest.get("embedding", {}).get("shards", [])) if recorded == model and not overwrite else set()
     todo = [name for name in sorted(read_sizes(folder)) if name not in done]
     dim = (manifest.get("embedding") or {}).get("dim")
@@ -83,6 +88,8 @@ def embed_folder(folder: Path, model: str, *, overwrite: bool, batch_size: int, 
 def embed(path: str | Path, model: str, *, overwrite: bool = False, batch_size: int = 256,
           device: str | None = None) -> list[dict]:
     folders = dataset_folders(path)
+    for folder in folders:  # refuse before loading anything
+        check_model(folder, model, overwrite)
     encoder = None
     results = []
     for folder in folders:

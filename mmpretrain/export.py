@@ -51,7 +51,7 @@ def _card(run_dir: Path, model_cfg: dict, repo_id: str | None) -> str:
              f"- image tower: {model_cfg['vision_cfg'].get('image_size')} px, "
              f"text tower: `{model_cfg['text_cfg'].get('hf_model_name', 'open_clip transformer')}`"
              + (" (locked)" if cfg.get("model", {}).get("lock_text") else ""),
-             f"- objective: " + " + ".join(f"{t['weight']} x {t['name']}" for t in cfg.get("loss", [])),
+             "- objective: " + " + ".join(f"{t['weight']} x {t['name']}" for t in cfg.get("loss", [])),
              f"- data: `{cfg.get('data', {}).get('train')}`, {resolved.get('total_steps')} steps at global batch "
              f"{resolved.get('global_batch_size')} on {resolved.get('world_size')} process(es)",
              f"- code: git `{prov.get('git_sha')}`; packages: "

@@ -69,7 +69,13 @@ def setup(cfg: ExperimentConfig) -> Run:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from mmpretrain.data.shards import SampleDecoder, ShardStream, check_shard_count, make_loader, resolve_shards
+    from mmpretrain.data.shards import (
+        SampleDecoder,
+        ShardStream,
+        check_shard_count,
+        make_loader,
+        resolve_shards,
+    )
     from mmpretrain.losses import build_objective
     from mmpretrain.models import factory
     from mmpretrain.run_files import JsonlLog, provenance

@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 from open_clip.loss import ClipLoss as OpenClipLoss
 
-from ddp_helpers import run_ranks
 from mmpretrain.losses import LOSSES, build_objective
+
+from ddp_helpers import run_ranks
 
 B, D, E = 12, 16, 24
 

@@ -12,7 +12,12 @@ import torch
 
 from mmpretrain.eval.datasets import EvalDataset, load_dataset
 from mmpretrain.eval.retrieval import retrieval_chance, retrieval_metrics
-from mmpretrain.eval.zero_shot import DEFAULT_TEMPLATES, build_classifier, classification_chance, classification_metrics
+from mmpretrain.eval.zero_shot import (
+    DEFAULT_TEMPLATES,
+    build_classifier,
+    classification_chance,
+    classification_metrics,
+)
 
 TASKS = ("zeroshot_classification", "zeroshot_retrieval")
 

@@ -12,7 +12,6 @@ import json
 import re
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import open_clip
 import torch

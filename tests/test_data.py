@@ -1,0 +1,75 @@
+"""data_tools on real packaged data (OpenMoji), through the public commands."""
+
+import io
+import json
+
+import numpy as np
+
+from mmpretrain.data.shards import iter_samples
+
+from conftest import TEXT_MODEL, run_cli
+
+
+def test_build_layout(openmoji):
+    for split in ("train", "test"):
+        sizes = json.loads((openmoji / split / "sizes.json").read_text())
+        manifest = json.loads((openmoji / split / "manifest.json").read_text())
+        assert sum(sizes.values()) == manifest["counts"]["samples"] > 0
+        assert manifest["skipped"] == {}
+        assert manifest["embedding"] == {"model": TEXT_MODEL, "dim": 384, "normalized": True, "dtype": "float16",
+                                         "shards": sorted(sizes)}
+        for name, n in sizes.items():
+            samples = list(iter_samples(openmoji / split / name))
+            assert len(samples) == n
+            s = samples[0]
+            assert {"png", "txt", "json", "emb.npy"} <= set(s)
+            emb = np.load(io.BytesIO(s["emb.npy"]))
+            assert emb.dtype == np.float16 and emb.shape == (384,)
+            assert abs(np.linalg.norm(emb.astype(np.float32)) - 1) < 1e-2
+    # clip_benchmark's wds layout for the labelled held-out split
+    classes = (openmoji / "classnames.txt").read_text().split("\n")[:-1]
+    assert len(classes) >= 2
+    assert "{c}" in (openmoji / "zeroshot_classification_templates.txt").read_text()
+    assert (openmoji / "test" / "nshards.txt").read_text().strip() == "1"
+    labelled = list(iter_samples(openmoji / "test" / "0.tar"))
+    assert labelled and all(0 <= int(s["cls"]) < len(classes) for s in labelled)
+
+
+def test_split_is_deterministic_and_disjoint(openmoji, tmp_path):
+    r = run_cli("data_tools", "build", "demo:openmoji", "--out", str(tmp_path / "again"), "--image-size", "32",
+                "--shard-size", "50", "--limit", "500")
+    assert r.returncode == 0, r.stderr
+    keys = {}
+    for root in (openmoji, tmp_path / "again"):
+        for split in ("train", "test"):
+            keys[(root, split)] = [s["__key__"] for p in sorted((root / split).glob("openmoji-*.tar"))
+                                   for s in iter_samples(p)]
+    assert keys[(openmoji, "train")] == keys[(tmp_path / "again", "train")]
+    assert keys[(openmoji, "test")] == keys[(tmp_path / "again", "test")]
+    assert not set(keys[(openmoji, "train")]) & set(keys[(openmoji, "test")])
+
+
+def test_verify_stats_and_refusals(openmoji, tmp_path):
+    r = run_cli("data_tools", "verify", str(openmoji))
+    assert r.returncode == 0, r.stdout + r.stderr
+    stats = json.loads(run_cli("data_tools", "stats", str(openmoji / "test")).stdout)
+    assert stats[0]["with_embedding"] == stats[0]["samples"]
+    # rebuilding over an existing dataset needs --overwrite; nothing is touched without it
+    r = run_cli("data_tools", "build", "demo:openmoji", "--out", str(openmoji), "--limit", "50")
+    assert r.returncode == 2 and "--overwrite" in r.stderr
+    # another embedding model than the recorded one
+    r = run_cli("data_tools", "embed", str(openmoji), "--model", "some/other-model")
+    assert r.returncode == 2 and "--overwrite" in r.stderr
+
+
+def test_verify_catches_corruption(openmoji, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(openmoji / "test", bad)
+    shard = sorted(bad.glob("openmoji-test-*.tar"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    r = run_cli("data_tools", "verify", str(bad))
+    assert r.returncode == 1
+    assert shard.name in r.stdout

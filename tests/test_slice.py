@@ -1,0 +1,111 @@
+"""The whole slice on real data through the public commands: build -> embed -> train -> evaluate ->
+export -> reload with open_clip and compare embeddings with the trained model."""
+
+import json
+from pathlib import Path
+
+import open_clip
+import torch
+
+import mmpretrain
+
+from conftest import ROOT, TEXT_MODEL, run_cli
+
+
+def train(openmoji: Path, run_dir: Path, *extra: str):
+    r = run_cli("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
+                f"run_dir={run_dir}", "train.steps=4", "train.epochs=null", "data.batch_size=32",
+                "data.num_workers=1", "optim.warmup_steps=1", "train.log_every=2", "train.progress=false", *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def test_frozen_minilm_text_from_targets_is_exact():
+    from sentence_transformers import SentenceTransformer
+
+    from mmpretrain.models.factory import build_dual_encoder, make_tokenizer, resolve_model_cfg
+
+    cfg = resolve_model_cfg("mmpt-tiny-vit-minilm")
+    model = build_dual_encoder(cfg, lock_text=True, text_from_targets=True).eval()
+    captions = ["grinning cat face with smiling eyes", "black large square", "clock face one oclock"]
+    st = SentenceTransformer(TEXT_MODEL)
+    t = torch.tensor(st.encode(captions, normalize_embeddings=True))
+    with torch.no_grad():
+        via_tower = model.clip.encode_text(make_tokenizer(cfg)(captions), normalize=True)
+        via_targets = model(torch.zeros(3, 3, 32, 32), target_embeddings=t)["text_features"]
+    torch.testing.assert_close(via_targets, via_tower, atol=1e-5, rtol=1e-4)
+
+
+def test_slice_train_eval_export_reload(openmoji, tmp_path):
+    run_dir = tmp_path / "run"
+    r = train(openmoji, run_dir)
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 4
+    for name in ("config.yaml", "model_config.json", "provenance.json", "log.jsonl", "plots/loss.png",
+                 "checkpoints/step_00000004/model.safetensors", "checkpoints/step_00000004/train_state.json"):
+        assert (run_dir / name).is_file(), name
+    log = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [2, 4]
+    assert all(k in log[-1] for k in ("clip_loss", "soft_target_loss", "lr", "logit_scale"))
+    # a second run into the same folder would overwrite checkpoints: refused before any work
+    again = run_cli("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"),
+                    f"data.train={openmoji / 'train'}", f"run_dir={run_dir}")
+    assert again.returncode == 2 and "already holds checkpoints" in again.stderr
+
+    results = run_dir / "results.json"
+    r = run_cli("mmpretrain.eval", "--model", str(run_dir), "--dataset", str(openmoji), str(openmoji / "test"),
+                "--task", "zeroshot_classification", "zeroshot_retrieval", "--output", str(results))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "x chance" in r.stdout
+    entries = json.loads(results.read_text())["results"]
+    assert [e["task"] for e in entries] == ["zeroshot_classification", "zeroshot_retrieval"]
+    cls = entries[0]
+    assert cls["dataset"] == "openmoji-test" and cls["n"] > 0
+    assert set(cls["metrics"]) == {"acc1", "acc5", "mean_per_class_recall"} == set(cls["chance"])
+    assert {"image_retrieval_recall@5", "text_retrieval_recall@5"} <= set(entries[1]["metrics"])
+
+    out = tmp_path / "export"
+    r = run_cli("mmpretrain.export", str(run_dir), "--out", str(out), "--push-to-hub", "me/demo", "--dry-run")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "would upload" in r.stdout
+    card = (out / "README.md").read_text()
+    assert "pipeline_tag: zero-shot-image-classification" in card and "acc1" in card
+
+    exported, preprocess = open_clip.create_model_from_pretrained(f"local-dir:{out}")
+    exported.eval()
+    tokenizer = open_clip.get_tokenizer(f"local-dir:{out}")
+    trained, preprocess2, tokenizer2 = mmpretrain.load(str(run_dir))
+    from PIL import Image
+
+    images = torch.stack([preprocess(Image.new("RGB", (64, 64), c)) for c in ("red", "white", "yellow")])
+    texts = ["a cat", "an emoji of a heart", "clock face"]
+    with torch.no_grad():
+        torch.testing.assert_close(exported.encode_image(images), trained.encode_image(images))
+        assert torch.equal(tokenizer(texts), tokenizer2(texts))
+        torch.testing.assert_close(exported.encode_text(tokenizer(texts)), trained.encode_text(tokenizer2(texts)))
+    # the step's image features come from the trained weights, not the initialisation
+    assert not torch.allclose(exported.logit_scale, torch.tensor(1 / 0.07).log())
+
+
+def test_slice_trainable_open_clip_text_tower(openmoji, tmp_path):
+    run_dir = tmp_path / "run_text"
+    train(openmoji, run_dir, "model.arch=mmpt-tiny-vit", "model.lock_text=false", "model.text_from_targets=false")
+    model, _, tokenizer = mmpretrain.load(str(run_dir))
+    assert isinstance(model, open_clip.CLIP)
+    assert model.encode_text(tokenizer(["a cat"])).shape == (1, 256)
+
+
+def test_slice_two_cpu_ranks_under_accelerate(openmoji, tmp_path):
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run2"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs/accelerate/cpu-2proc.yaml"), "-m", "mmpretrain.train",
+           "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}", f"run_dir={run_dir}",
+           "train.steps=3", "train.epochs=null", "data.batch_size=16", "data.num_workers=1",
+           "optim.warmup_steps=1", "train.log_every=1", "train.progress=false"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cfg = (run_dir / "config.yaml").read_text()
+    assert "world_size: 2" in cfg and "global_batch_size: 32" in cfg
