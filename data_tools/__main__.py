@@ -37,10 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def _run(args) -> int:
     if args.cmd == "build":
-        from data_tools.build import BuildError, build
+        from data_tools.build import build
 
         if args.source_type not in (None, "demo"):
             print(f"error: --source-type {args.source_type}: only 'demo' sources are supported so far",
@@ -49,52 +48,42 @@ def main(argv: list[str] | None = None) -> int:
         if args.image_size <= 0 or args.shard_size <= 0 or (args.limit is not None and args.limit <= 0):
             print("error: --image-size, --shard-size and --limit must be positive", file=sys.stderr)
             return 2
-        try:
-            summary = build(args.source, args.out, image_size=args.image_size, shard_size=args.shard_size,
-                            limit=args.limit, image_format=args.image_format, overwrite=args.overwrite)
-        except BuildError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        summary = build(args.source, args.out, image_size=args.image_size, shard_size=args.shard_size,
+                        limit=args.limit, image_format=args.image_format, overwrite=args.overwrite)
         print(json.dumps(summary, indent=2))
         return 0
     if args.cmd == "embed":
-        from data_tools.embed import EmbedError, embed
+        from data_tools.embed import embed
 
-        try:
-            results = embed(args.dir, args.model, overwrite=args.overwrite, batch_size=args.batch_size,
-                            device=args.device)
-        except EmbedError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        print(json.dumps(results, indent=2))
+        print(json.dumps(embed(args.dir, args.model, overwrite=args.overwrite, batch_size=args.batch_size,
+                               device=args.device), indent=2))
         return 0
     if args.cmd == "verify":
-        from data_tools.embed import EmbedError
         from data_tools.inspect import verify
 
-        try:
-            report = verify(args.dir, strict=args.strict)
-        except EmbedError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
         bad = 0
-        for folder, problems in report.items():
+        for folder, problems in verify(args.dir, strict=args.strict).items():
             print(f"{folder}: {'ok' if not problems else f'{len(problems)} problem(s)'}")
             for line in problems[:50]:
                 print(f"  {line}")
             bad += len(problems)
         return 1 if bad else 0
-    if args.cmd == "stats":
-        from data_tools.embed import EmbedError
-        from data_tools.inspect import stats
+    from data_tools.inspect import stats
 
-        try:
-            print(json.dumps(stats(args.dir), indent=2))
-        except EmbedError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        return 0
-    return 2
+    print(json.dumps(stats(args.dir), indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from data_tools.build import BuildError
+    from data_tools.embed import EmbedError
+
+    try:
+        return _run(args)
+    except (BuildError, EmbedError) as e:  # raised before any work: bad arguments
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -39,31 +39,6 @@ class Run:
     skipped: Counter = field(default_factory=Counter)
 
 
-def _target_plan(cfg: ExperimentConfig, urls: list[str], needs_targets: bool) -> str:
-    """Where target embeddings come from: "shards", "online" or "none"."""
-    from mmpretrain.data.manifest import read_manifest
-
-    if not needs_targets:
-        return "none"
-    folders = {str(Path(u).parent) for u in urls}
-    recorded = {(read_manifest(f).get("embedding") or {}).get("model") for f in folders}
-    in_shards = recorded == {cfg.targets.model}
-    if cfg.targets.source == "shards" and not in_shards:
-        raise ConfigError(
-            f"targets.source=shards but the shards of data.train carry embeddings of {sorted(map(str, recorded))}, "
-            f"not {cfg.targets.model!r}: run `python -m data_tools embed DIR --model {cfg.targets.model}` "
-            "or set targets.source=online"
-        )
-    if cfg.targets.source == "online" or not in_shards:
-        if cfg.model.text_from_targets:
-            raise ConfigError(
-                "model.text_from_targets=true needs embeddings stored in the shards: run "
-                f"`python -m data_tools embed DIR --model {cfg.targets.model}`"
-            )
-        return "online"
-    return "shards"
-
-
 def setup(cfg: ExperimentConfig) -> Run:
     """Everything a run needs; raises ConfigError (exit 2) before any compute when the config cannot run."""
     from accelerate import Accelerator
@@ -78,6 +53,7 @@ def setup(cfg: ExperimentConfig) -> Run:
     )
     from mmpretrain.losses import build_objective
     from mmpretrain.models import factory
+    from mmpretrain.models.target_encoder import load_target_encoder, target_plan
     from mmpretrain.run_files import JsonlLog, provenance
     from mmpretrain.schedule import param_groups
 
@@ -101,7 +77,7 @@ def setup(cfg: ExperimentConfig) -> Run:
         raise ConfigError("data.train is a url list without sizes.json: set data.num_samples")
     sched = resolve_schedule(cfg, total or 0, world)
     needs_targets = cfg.model.text_from_targets or any(t.name == "soft_target" for t in cfg.loss)
-    plan = _target_plan(cfg, urls, needs_targets)
+    plan = target_plan(cfg, urls, needs_targets)
 
     set_seed(cfg.seed)
     model = factory.build_dual_encoder(
@@ -123,11 +99,7 @@ def setup(cfg: ExperimentConfig) -> Run:
     opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
                             betas=cfg.optim.betas, eps=cfg.optim.eps)
     model, opt = acc.prepare(model, opt)
-    target_encoder = None
-    if plan == "online":
-        from sentence_transformers import SentenceTransformer
-
-        target_encoder = SentenceTransformer(str(cfg.targets.model), device=str(acc.device)).eval()
+    target_encoder = load_target_encoder(cfg.targets.model, str(acc.device)) if plan == "online" else None
 
     if acc.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)

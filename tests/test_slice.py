@@ -83,13 +83,16 @@ def test_slice_train_eval_export_reload(openmoji, tmp_path):
         torch.testing.assert_close(exported.encode_image(images), trained.encode_image(images))
         assert torch.equal(tokenizer(texts), tokenizer2(texts))
         torch.testing.assert_close(exported.encode_text(tokenizer(texts)), trained.encode_text(tokenizer2(texts)))
-    # the step's image features come from the trained weights, not the initialisation
+    # the export holds the trained weights, not the initialisation (the scale moved from ln(1/0.07))
     assert not torch.allclose(exported.logit_scale, torch.tensor(1 / 0.07).log())
 
 
 def test_slice_trainable_open_clip_text_tower(openmoji, tmp_path):
     run_dir = tmp_path / "run_text"
-    train(openmoji, run_dir, "model.arch=mmpt-tiny-vit", "model.lock_text=false", "model.text_from_targets=false")
+    # targets computed online by the frozen encoder instead of read from the shards
+    train(openmoji, run_dir, "model.arch=mmpt-tiny-vit", "model.lock_text=false", "model.text_from_targets=false",
+          "targets.source=online")
+    assert "targets: online" in (run_dir / "config.yaml").read_text()
     model, _, tokenizer = mmpretrain.load(str(run_dir))
     assert isinstance(model, open_clip.CLIP)
     assert model.encode_text(tokenizer(["a cat"])).shape == (1, 256)

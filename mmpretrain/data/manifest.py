@@ -1,0 +1,52 @@
+"""Dataset folder layout shared by ``data_tools`` and the loader.
+
+A dataset folder holds tar shards, ``sizes.json`` (shard name -> sample count, as open_clip reads
+it) and ``manifest.json`` (source, options, tool version, counts, ``skipped`` by reason, and
+``embedding: {model, dim, normalized}`` once embedded).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+SIZES = "sizes.json"
+MANIFEST = "manifest.json"
+
+
+def write_json_atomic(path: str | Path, data: Any) -> None:
+    """Write JSON through a temporary file and rename, so a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=False)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def read_sizes(folder: str | Path) -> dict[str, int]:
+    p = Path(folder) / SIZES
+    if not p.is_file():
+        raise FileNotFoundError(
+            f"{p} not found: {folder} is not a dataset folder; build one with `python -m data_tools build`"
+        )
+    return json.loads(p.read_text())
+
+
+def read_manifest(folder: str | Path) -> dict[str, Any]:
+    p = Path(folder) / MANIFEST
+    return json.loads(p.read_text()) if p.is_file() else {}
+
+
+def shard_paths(folder: str | Path) -> list[Path]:
+    """Shards listed in ``sizes.json``, in name order; each must exist."""
+    folder = Path(folder)
+    paths = [folder / name for name in sorted(read_sizes(folder))]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"shards listed in {folder / SIZES} are missing: {missing[:5]}")
+    return paths
