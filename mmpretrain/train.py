@@ -51,7 +51,7 @@ def setup(cfg: ExperimentConfig) -> Run:
         make_loader,
         resolve_shards,
     )
-    from mmpretrain.losses import build_objective
+    from mmpretrain.losses import NEEDS_TARGETS, build_objective
     from mmpretrain.models import factory
     from mmpretrain.models.target_encoder import load_target_encoder, target_plan
     from mmpretrain.run_files import JsonlLog, provenance
@@ -70,13 +70,17 @@ def setup(cfg: ExperimentConfig) -> Run:
         model_cfg = factory.resolve_model_cfg(cfg.model.arch, cfg.model.text_model, cfg.model.overrides)
         if cfg.model.text_from_targets:
             factory.check_text_from_targets(model_cfg, cfg.targets.model)
-        objective = build_objective([t.model_dump() for t in cfg.loss], rank=rank, world_size=world)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None
     if total is None and cfg.data.num_samples is None:
         raise ConfigError("data.train is a url list without sizes.json: set data.num_samples")
     sched = resolve_schedule(cfg, total or 0, world)
-    needs_targets = cfg.model.text_from_targets or any(t.name == "soft_target" for t in cfg.loss)
+    try:
+        objective = build_objective([t.model_dump() for t in cfg.loss], rank=rank, world_size=world,
+                                    dataset_size=sched["num_samples"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    needs_targets = cfg.model.text_from_targets or any(t.name in NEEDS_TARGETS for t in cfg.loss)
     plan = target_plan(cfg, urls, needs_targets)
 
     set_seed(cfg.seed)

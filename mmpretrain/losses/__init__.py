@@ -13,13 +13,24 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from mmpretrain.losses.align_uniform import AlignUniformLoss
 from mmpretrain.losses.clip import ClipLoss
+from mmpretrain.losses.cwcl import CwclLoss
+from mmpretrain.losses.sigmoid import SigmoidLoss
 from mmpretrain.losses.soft_target import SoftTargetLoss
+from mmpretrain.losses.vrn import VrnLoss
 
 LOSSES: dict[str, type[nn.Module]] = {
     "clip": ClipLoss,
+    "sigmoid": SigmoidLoss,
     "soft_target": SoftTargetLoss,
+    "cwcl": CwclLoss,
+    "vrn": VrnLoss,
+    "align_uniform": AlignUniformLoss,
 }
+
+# objectives whose forward needs the frozen caption embeddings
+NEEDS_TARGETS = frozenset({"soft_target", "cwcl"})
 
 
 class WeightedObjective(nn.Module):
@@ -38,7 +49,8 @@ class WeightedObjective(nn.Module):
 
     @property
     def init_logit_bias(self) -> float | None:
-        return self.terms[0].init_logit_bias
+        """The first declared bias: a sigmoid term anywhere in the sum gets the bias it needs."""
+        return next((t.init_logit_bias for t in self.terms if t.init_logit_bias is not None), None)
 
     def forward(self, **inputs) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -52,8 +64,10 @@ class WeightedObjective(nn.Module):
         return out
 
 
-def build_objective(terms: Sequence[dict], rank: int = 0, world_size: int = 1) -> WeightedObjective:
-    """``terms``: ``[{"name": "clip", "weight": 1.0, "options": {...}}, ...]`` (the config's ``loss``)."""
+def build_objective(terms: Sequence[dict], rank: int = 0, world_size: int = 1,
+                    dataset_size: int | None = None) -> WeightedObjective:
+    """``terms``: ``[{"name": "clip", "weight": 1.0, "options": {...}}, ...]`` (the config's ``loss``).
+    ``dataset_size`` reaches objectives that take it (vrn's default delta) unless their options set it."""
     built = []
     seen = set()
     for t in terms:
@@ -63,9 +77,13 @@ def build_objective(terms: Sequence[dict], rank: int = 0, world_size: int = 1) -
         if name in seen:
             raise ValueError(f"objective {name!r} listed twice; give it one weight")
         seen.add(name)
-        module = LOSSES[name](rank=rank, world_size=world_size, **t.get("options", {}))
+        options = dict(t.get("options", {}))
+        if name == "vrn" and dataset_size is not None and "delta" not in options:
+            options.setdefault("dataset_size", dataset_size)
+        module = LOSSES[name](rank=rank, world_size=world_size, **options)
         built.append((name, t.get("weight", 1.0), module))
     return WeightedObjective(built)
 
 
-__all__ = ["LOSSES", "ClipLoss", "SoftTargetLoss", "WeightedObjective", "build_objective"]
+__all__ = ["LOSSES", "NEEDS_TARGETS", "AlignUniformLoss", "ClipLoss", "CwclLoss", "SigmoidLoss", "SoftTargetLoss",
+           "VrnLoss", "WeightedObjective", "build_objective"]

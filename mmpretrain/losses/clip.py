@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmpretrain.losses.distributed import gather_with_grad, scale_grad
+from mmpretrain.losses.tiled import pair_lse
 
 
 class ClipLoss(nn.Module):
@@ -25,6 +26,8 @@ class ClipLoss(nn.Module):
     combination gives, as the mean over ranks with DDP-averaged gradients, the value and gradient of
     one process holding the whole batch. ``local_loss`` without ``gather_with_grad`` cannot (the
     other ranks' columns would carry no gradient, open_clip #616/#894) and is rejected.
+    ``chunk_size``: tiled log-sum-exp over ``chunk x chunk`` tiles recomputed in backward; no
+    ``B x B`` logits are ever held (the global form gets both directions from one pass).
     """
 
     init_logit_scale = math.log(1 / 0.07)
@@ -45,12 +48,13 @@ class ClipLoss(nn.Module):
                 "local_loss=true needs gather_with_grad=true: without it the gradient of other ranks' "
                 "columns is lost (open_clip #616); set gather_with_grad=true"
             )
-        if chunk_size is not None:
-            raise ValueError("chunk_size (tiled clip loss) is not implemented yet; leave it unset")
+        if chunk_size is not None and chunk_size <= 0:
+            raise ValueError("chunk_size must be a positive number of rows/columns per tile")
         self.local_loss = local_loss
         self.gather_with_grad = gather_with_grad
         self.rank = rank
         self.world_size = world_size
+        self.chunk_size = chunk_size
 
     def forward(
         self,
@@ -70,7 +74,9 @@ class ClipLoss(nn.Module):
         else:
             all_img = _gather_keep_local(image_features, self.rank, self.world_size)
             all_txt = _gather_keep_local(text_features, self.rank, self.world_size)
-        if self.local_loss:
+        if self.chunk_size is not None:
+            loss = self._tiled(image_features, text_features, all_img, all_txt, logit_scale)
+        elif self.local_loss:
             logits_i = logit_scale * image_features @ all_txt.T
             logits_t = logit_scale * text_features @ all_img.T
             labels = torch.arange(b, device=image_features.device) + self.rank * b
@@ -78,15 +84,26 @@ class ClipLoss(nn.Module):
             logits_i = logit_scale * all_img @ all_txt.T
             logits_t = logits_i.T
             labels = torch.arange(all_img.shape[0], device=image_features.device)
-        if logit_bias is not None:
-            logits_i = logits_i + logit_bias
-            logits_t = logits_t + logit_bias
-        loss = 0.5 * (F.cross_entropy(logits_i, labels) + F.cross_entropy(logits_t, labels))
+        if self.chunk_size is None:
+            # a logit bias shifts every logit of a row equally: cross-entropy ignores it
+            loss = 0.5 * (F.cross_entropy(logits_i, labels) + F.cross_entropy(logits_t, labels))
         if not self.gather_with_grad and self.world_size > 1:
             # Each rank only back-propagates into its own slice; DDP's 1/world averaging then needs
             # the full-matrix gradient scaled back up to match one process.
             loss = scale_grad(loss, float(self.world_size))
         return {"clip_loss": loss}
+
+    def _tiled(self, x, y, all_x, all_y, scale):
+        """CE = LSE - positive logit, with the LSEs from column tiles (never B x B)."""
+        scale = torch.as_tensor(scale, dtype=x.dtype, device=x.device)
+        if self.local_loss:
+            row_i, _ = pair_lse(x, all_y, scale, self.chunk_size)
+            row_t, _ = pair_lse(y, all_x, scale, self.chunk_size)
+            pos = scale * (x * y).sum(1)
+        else:
+            row_i, row_t = pair_lse(all_x, all_y, scale, self.chunk_size, want_col=True)
+            pos = scale * (all_x * all_y).sum(1)
+        return 0.5 * ((row_i - pos).mean() + (row_t - pos).mean())
 
 
 def _gather_keep_local(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

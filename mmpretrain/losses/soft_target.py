@@ -11,6 +11,9 @@ Targets ``G = softmax_r(T T^T / tau_s)`` from frozen caption embeddings ``T (N, 
 * ``space="image_image"`` (the paper's form): ``Z = X X'^T / tau`` over two views
   (``image_features_2``); ``L = -1/N sum_ij G_ij log softmax_j(Z_ij)``. With one view the trivial
   diagonal is masked out of both ``G`` and ``Z``.
+
+``chunk_size`` tiles the image_text form and the two-view image_image form (never ``B x B``); the
+single-view form needs the masked diagonal and is computed whole.
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmpretrain.losses.distributed import gather_no_grad, gather_with_grad
+from mmpretrain.losses.tiled import pair_lse, target_matmul, target_row_lse
 
 
 def soft_targets(local_t: torch.Tensor, all_t: torch.Tensor, tau: float, mask_offset: int | None = None):
     """Rows of ``softmax_r(T T^T / tau)`` for ``local_t (b, E)`` against ``all_t (N, E)``.
     ``mask_offset`` masks entry ``(i, i + offset)`` (the trivial self pair)."""
-    sim = (local_t.float() @ all_t.float().T) / tau
+    sim = (local_t @ all_t.T) / tau
     if mask_offset is not None:
         idx = torch.arange(local_t.shape[0], device=sim.device)
         sim[idx, idx + mask_offset] = float("-inf")
@@ -54,8 +58,9 @@ class SoftTargetLoss(nn.Module):
             raise ValueError("target_temperature and temperature must be > 0")
         if space not in ("image_text", "image_image"):
             raise ValueError(f"space must be 'image_text' or 'image_image', got {space!r}")
-        if chunk_size is not None:
-            raise ValueError("chunk_size (tiled soft-target loss) is not implemented yet; leave it unset")
+        if chunk_size is not None and chunk_size <= 0:
+            raise ValueError("chunk_size must be a positive number of rows/columns per tile")
+        self.chunk_size = chunk_size
         self.target_temperature = target_temperature
         self.space = space
         self.temperature = temperature
@@ -80,7 +85,9 @@ class SoftTargetLoss(nn.Module):
                 "on the shards or set targets.source=online"
             )
         b = image_features.shape[0]
-        t_local = F.normalize(target_embeddings.detach().float(), dim=-1)
+        # targets in at least fp32 (stored as fp16), in the features' precision when higher
+        t_dtype = torch.promote_types(image_features.dtype, torch.float32)
+        t_local = F.normalize(target_embeddings.detach().to(t_dtype), dim=-1)
         t_all = gather_no_grad(t_local, self.world_size)
         offset = self.rank * b
         # Every rank computes its own rows against all columns; the mean over ranks of these
@@ -88,6 +95,9 @@ class SoftTargetLoss(nn.Module):
         if self.space == "image_text":
             all_img = gather_with_grad(image_features, self.world_size)
             all_txt = gather_with_grad(text_features, self.world_size)
+            if self.chunk_size is not None:
+                return {"soft_target_loss": self._tiled_image_text(
+                    image_features, text_features, all_img, all_txt, t_local, t_all, logit_scale)}
             g = soft_targets(t_local, t_all, self.target_temperature)
             logits_i = logit_scale * image_features @ all_txt.T
             logits_t = logit_scale * text_features @ all_img.T
@@ -96,8 +106,16 @@ class SoftTargetLoss(nn.Module):
             ce_i = -(g * F.log_softmax(logits_i, dim=1)).sum(1).mean()
             ce_t = -(g * F.log_softmax(logits_t, dim=1)).sum(1).mean()
             return {"soft_target_loss": 0.5 * (ce_i + ce_t)}
+        if self.chunk_size is not None and image_features_2 is None:
+            raise ValueError("tiled image_image soft targets need a second view (image_features_2)")
         if image_features_2 is not None:
             other = gather_with_grad(image_features_2, self.world_size)
+            if self.chunk_size is not None:
+                scale = torch.tensor(1 / self.temperature, dtype=image_features.dtype, device=image_features.device)
+                row, _ = pair_lse(image_features, other, scale, self.chunk_size)
+                cross = (image_features * target_matmul(other, t_local, t_all, self.target_temperature,
+                                                        self.chunk_size)).sum(1) * scale
+                return {"soft_target_loss": (row - cross).mean()}
             g = soft_targets(t_local, t_all, self.target_temperature)
             z = image_features @ other.T / self.temperature
         else:
@@ -110,3 +128,21 @@ class SoftTargetLoss(nn.Module):
         # masked entries have g = 0 and logp = -inf; 0 * -inf would be nan
         loss = -(g * logp.masked_fill(g == 0, 0.0)).sum(1).mean()
         return {"soft_target_loss": loss}
+
+    def _tiled_image_text(self, x, y, all_x, all_y, t_local, t_all, scale):
+        """``CE_i = LSE_i - sum_j G_ij z_ij``: LSEs from tiles, the cross term as ``x_i . (G Y)_i``
+        with ``G Y`` built tile by tile. Bias cancels (rows of G sum to 1)."""
+        scale = torch.as_tensor(scale, dtype=x.dtype, device=x.device)
+        t_local, t_all = t_local.to(x.dtype), t_all.to(x.dtype)
+        row_lse_t = target_row_lse(t_local, t_all, self.target_temperature, self.chunk_size)
+        if self.world_size == 1:
+            row_i, row_t = pair_lse(x, y, scale, self.chunk_size, want_col=True)
+        else:
+            row_i, _ = pair_lse(x, all_y, scale, self.chunk_size)
+            row_t, _ = pair_lse(y, all_x, scale, self.chunk_size)
+        # one pass over the target tiles serves both directions: G [Y | X]
+        gy, gx = target_matmul(torch.cat([all_y, all_x], 1), t_local, t_all, self.target_temperature,
+                               self.chunk_size, row_lse_t).split(x.shape[1], dim=1)
+        cross_i = scale * (x * gy).sum(1)
+        cross_t = scale * (y * gx).sum(1)
+        return 0.5 * ((row_i - cross_i).mean() + (row_t - cross_t).mean())

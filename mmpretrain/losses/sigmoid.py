@@ -1,0 +1,61 @@
+"""Sigmoid / SigLIP (Zhai et al., ICCV 2023, "Sigmoid Loss for Language Image Pre-Training", Eq. 1):
+
+    L = -1/B sum_i sum_j log sigmoid(z_ij (s x_i.y_j + b)),  z_ii = +1, z_ij = -1 otherwise
+
+computed as ``1/B [sum_ij softplus(s x_i.y_j + b) - sum_i (s x_i.y_i + b)]`` (``-log sigmoid(-l) =
+softplus(l)`` and ``softplus(-l) - softplus(l) = -l``). ``within_view_negatives`` ("On the
+Similarities of Embeddings in Contrastive Learning", ICML 2025) adds the image-image and text-text
+off-diagonal pairs as negatives: ``+ 1/B sum_{i!=j} [softplus(s x_i.x_j + b) + softplus(s y_i.y_j + b)]``.
+
+Distributed: each rank's rows against every rank's columns (gathered with gradient, ``(N, D)``): its
+own block holds the positives, the others are negative-only blocks; no ``N x N`` matrix on any rank.
+The loss is normalised by the local batch, so the mean over ranks equals one process's loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmpretrain.losses.distributed import gather_with_grad
+from mmpretrain.losses.tiled import softplus_sum
+
+
+class SigmoidLoss(nn.Module):
+    init_logit_scale = math.log(10)
+    init_logit_bias = -10.0
+
+    def __init__(self, *, within_view_negatives: bool = False, rank: int = 0, world_size: int = 1,
+                 chunk_size: int | None = None):
+        super().__init__()
+        if chunk_size is not None and chunk_size <= 0:
+            raise ValueError("chunk_size must be a positive number of rows/columns per tile")
+        self.within_view_negatives = within_view_negatives
+        self.rank = rank
+        self.world_size = world_size
+        self.chunk_size = chunk_size
+
+    def _sum(self, a, b, scale, bias):
+        if self.chunk_size is not None:
+            return softplus_sum(a, b, scale, bias, self.chunk_size)
+        return F.softplus(scale * a @ b.T + bias).sum()
+
+    def forward(self, *, image_features: torch.Tensor, text_features: torch.Tensor,
+                logit_scale: torch.Tensor | float, logit_bias: torch.Tensor | float | None = None,
+                target_embeddings: torch.Tensor | None = None, **extra) -> dict[str, torch.Tensor]:
+        """``image_features (B, D)``, ``text_features (B, D)``: this rank's, normalised."""
+        if logit_bias is None:
+            raise ValueError("sigmoid needs logit_bias (the model owns it; setup initialises it to -10)")
+        x, y = image_features, text_features
+        b = x.shape[0]
+        all_y = gather_with_grad(y, self.world_size)
+        loss = self._sum(x, all_y, logit_scale, logit_bias) - (logit_scale * (x * y).sum(1) + logit_bias).sum()
+        if self.within_view_negatives:
+            all_x = gather_with_grad(x, self.world_size)
+            for own, every in ((x, all_x), (y, all_y)):
+                diag = F.softplus(logit_scale * (own * own).sum(1) + logit_bias).sum()
+                loss = loss + self._sum(own, every, logit_scale, logit_bias) - diag
+        return {"sigmoid_loss": loss / b}
