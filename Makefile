@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM ?= false
 DATA := data/openmoji
 RUN := runs/demo
 
-.PHONY: setup demo test test-slow lint clean
+.PHONY: setup demo test test-slow lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,6 +37,10 @@ test: setup
 
 test-slow: setup
 	$(BIN)/python -m pytest -m slow -q
+
+# Every scripts/bench_*.py, each writing bench_results/<name>.json (slow: minutes each).
+bench: setup
+	for f in scripts/bench_*.py; do $(BIN)/python $$f || exit 1; done
 
 lint: setup
 	$(BIN)/ruff check mmpretrain data_tools tests scripts

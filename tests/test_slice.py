@@ -2,9 +2,11 @@
 export -> reload with open_clip and compare embeddings with the trained model."""
 
 import json
+import math
 from pathlib import Path
 
 import open_clip
+import pytest
 import torch
 
 import mmpretrain
@@ -112,3 +114,18 @@ def test_slice_two_cpu_ranks_under_accelerate(openmoji, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     cfg = (run_dir / "config.yaml").read_text()
     assert "world_size: 2" in cfg and "global_batch_size: 32" in cfg
+
+
+@pytest.mark.parametrize("config", ["demo_sigmoid.yaml", "demo_cwcl.yaml"])
+def test_shipped_objective_configs_run_steps(openmoji, tmp_path, config):
+    run_dir = tmp_path / config.removesuffix(".yaml")
+    r = run_cli("mmpretrain.train", "--config", str(ROOT / "configs" / config), f"data.train={openmoji / 'train'}",
+                f"run_dir={run_dir}", "train.steps=2", "train.epochs=null", "data.batch_size=16",
+                "data.num_workers=1", "optim.warmup_steps=1", "train.log_every=1", "train.progress=false")
+    assert r.returncode == 0, r.stderr[-3000:]
+    last = json.loads((run_dir / "log.jsonl").read_text().splitlines()[-1])
+    terms = {"demo_sigmoid.yaml": ("sigmoid_loss", "vrn_loss"), "demo_cwcl.yaml": ("cwcl_loss", "align_uniform_loss")}
+    assert all(k in last and math.isfinite(last[k]) for k in terms[config])
+    if config == "demo_sigmoid.yaml":
+        model, _, _ = mmpretrain.load(str(run_dir))
+        assert model.logit_bias is not None  # the sigmoid term's declared bias was applied

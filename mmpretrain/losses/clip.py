@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmpretrain.losses.distributed import gather_with_grad, scale_grad
-from mmpretrain.losses.tiled import pair_lse
+from mmpretrain.losses.tiled import pair_ce
 
 
 class ClipLoss(nn.Module):
@@ -97,13 +97,12 @@ class ClipLoss(nn.Module):
         """CE = LSE - positive logit, with the LSEs from column tiles (never B x B)."""
         scale = torch.as_tensor(scale, dtype=x.dtype, device=x.device)
         if self.local_loss:
-            row_i, _ = pair_lse(x, all_y, scale, self.chunk_size)
-            row_t, _ = pair_lse(y, all_x, scale, self.chunk_size)
-            pos = scale * (x * y).sum(1)
+            offset = self.rank * x.shape[0]
+            row_i, _ = pair_ce(x, all_y, scale, self.chunk_size, offset)
+            row_t, _ = pair_ce(y, all_x, scale, self.chunk_size, offset)
         else:
-            row_i, row_t = pair_lse(all_x, all_y, scale, self.chunk_size, want_col=True)
-            pos = scale * (all_x * all_y).sum(1)
-        return 0.5 * ((row_i - pos).mean() + (row_t - pos).mean())
+            row_i, row_t = pair_ce(all_x, all_y, scale, self.chunk_size, 0, want_col=True)
+        return 0.5 * (row_i.mean() + row_t.mean())
 
 
 def _gather_keep_local(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

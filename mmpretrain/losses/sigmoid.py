@@ -38,10 +38,14 @@ class SigmoidLoss(nn.Module):
         self.world_size = world_size
         self.chunk_size = chunk_size
 
-    def _sum(self, a, b, scale, bias):
+    def _sum(self, a, b, scale, bias, offset=None):
+        """``sum_ij softplus(l_ij)``, minus the positives' logits ``l_{i,i+offset}`` when given."""
         if self.chunk_size is not None:
-            return softplus_sum(a, b, scale, bias, self.chunk_size)
-        return F.softplus(scale * a @ b.T + bias).sum()
+            return softplus_sum(a, b, scale, bias, self.chunk_size, offset)
+        total = F.softplus(scale * a @ b.T + bias).sum()
+        if offset is not None:
+            total = total - (scale * (a * b[offset:offset + a.shape[0]]).sum(1) + bias).sum()
+        return total
 
     def forward(self, *, image_features: torch.Tensor, text_features: torch.Tensor,
                 logit_scale: torch.Tensor | float, logit_bias: torch.Tensor | float | None = None,
@@ -52,7 +56,7 @@ class SigmoidLoss(nn.Module):
         x, y = image_features, text_features
         b = x.shape[0]
         all_y = gather_with_grad(y, self.world_size)
-        loss = self._sum(x, all_y, logit_scale, logit_bias) - (logit_scale * (x * y).sum(1) + logit_bias).sum()
+        loss = self._sum(x, all_y, logit_scale, logit_bias, offset=self.rank * b)
         if self.within_view_negatives:
             all_x = gather_with_grad(x, self.world_size)
             for own, every in ((x, all_x), (y, all_y)):

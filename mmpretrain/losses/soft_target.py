@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmpretrain.losses.distributed import gather_no_grad, gather_with_grad
-from mmpretrain.losses.tiled import pair_lse, target_matmul, target_row_lse
+from mmpretrain.losses.tiled import pair_ce, pair_lse, target_matmul
 
 
 def soft_targets(local_t: torch.Tensor, all_t: torch.Tensor, tau: float, mask_offset: int | None = None):
@@ -112,7 +112,7 @@ class SoftTargetLoss(nn.Module):
             other = gather_with_grad(image_features_2, self.world_size)
             if self.chunk_size is not None:
                 scale = torch.tensor(1 / self.temperature, dtype=image_features.dtype, device=image_features.device)
-                row, _ = pair_lse(image_features, other, scale, self.chunk_size)
+                row = pair_lse(image_features, other, scale, self.chunk_size)
                 cross = (image_features * target_matmul(other, t_local, t_all, self.target_temperature,
                                                         self.chunk_size)).sum(1) * scale
                 return {"soft_target_loss": (row - cross).mean()}
@@ -134,15 +134,14 @@ class SoftTargetLoss(nn.Module):
         with ``G Y`` built tile by tile. Bias cancels (rows of G sum to 1)."""
         scale = torch.as_tensor(scale, dtype=x.dtype, device=x.device)
         t_local, t_all = t_local.to(x.dtype), t_all.to(x.dtype)
-        row_lse_t = target_row_lse(t_local, t_all, self.target_temperature, self.chunk_size)
         if self.world_size == 1:
-            row_i, row_t = pair_lse(x, y, scale, self.chunk_size, want_col=True)
+            row_i, row_t = pair_ce(x, y, scale, self.chunk_size, offset=y.shape[0], want_col=True)
         else:
-            row_i, _ = pair_lse(x, all_y, scale, self.chunk_size)
-            row_t, _ = pair_lse(y, all_x, scale, self.chunk_size)
+            row_i = pair_lse(x, all_y, scale, self.chunk_size)
+            row_t = pair_lse(y, all_x, scale, self.chunk_size)
         # one pass over the target tiles serves both directions: G [Y | X]
         gy, gx = target_matmul(torch.cat([all_y, all_x], 1), t_local, t_all, self.target_temperature,
-                               self.chunk_size, row_lse_t).split(x.shape[1], dim=1)
+                               self.chunk_size).split(x.shape[1], dim=1)
         cross_i = scale * (x * gy).sum(1)
         cross_t = scale * (y * gx).sum(1)
         return 0.5 * ((row_i - cross_i).mean() + (row_t - cross_t).mean())

@@ -4,9 +4,9 @@ Each is a custom autograd Function over ``chunk x chunk`` tiles of ``s * A B^T``
 only per-row (and per-column) running log-sum-exps or sums, the backward recomputes every tile from
 the saved inputs. Peak loss-internal memory is a few tiles plus the per-row statistics.
 
-* :func:`pair_lse`: ``row_i = LSE_j(s a_i.b_j)`` and optionally ``col_j = LSE_i(s a_i.b_j)``
-  (both directions of CLIP from one pass over the tiles).
-* :func:`softplus_sum`: ``sum_ij softplus(s a_i.b_j + bias)`` (SigLIP's negatives).
+* :func:`pair_ce`: per-row InfoNCE ``LSE_j(s a_i.b_j) - s a_i.b_{i+offset}`` and optionally per
+  column (both directions of CLIP from one pass over the tiles); :func:`pair_lse` without positives.
+* :func:`softplus_sum`: ``sum_ij softplus(s a_i.b_j + bias)`` minus the positives' logits (SigLIP).
 * :func:`target_matmul`: ``G V`` with ``G = softmax_r(T_rows T_cols^T / tau)`` built tile by tile
   (the soft-target cross term), gradient into ``V`` only (targets are constants).
 """
@@ -21,9 +21,28 @@ def _tiles(n: int, chunk: int):
     return [(i, min(i + chunk, n)) for i in range(0, n, chunk)]
 
 
-class _PairLSE(torch.autograd.Function):
+def _diag(n: int, m: int, offset: int):
+    """Row indices ``i`` whose positive column ``i + offset`` exists in an ``(n, m)`` block."""
+    lo, hi = max(0, -offset), min(n, m - offset)
+    return lo, hi
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``(a * b).sum(1)`` without an ``(n, D)`` temporary."""
+    out = a.new_empty(a.shape[0])
+    for i0, i1 in _tiles(a.shape[0], chunk):
+        out[i0:i1] = (a[i0:i1] * b[i0:i1]).sum(1)
+    return out
+
+
+class _PairCE(torch.autograd.Function):
+    """Per-row cross-entropy with the positive at column ``i + offset``:
+    ``row_i = LSE_j(s a_i.b_j) - s a_i.b_{i+offset}``; with ``want_col`` also per column
+    ``col_j = LSE_i(s a_i.b_j) - s a_{j-offset}.b_j``. The positives are folded into the same
+    backward, so the only buffers besides one tile are the gradients themselves."""
+
     @staticmethod
-    def forward(ctx, a, b, scale, chunk: int, want_col: bool):
+    def forward(ctx, a, b, scale, chunk: int, offset: int, want_col: bool):
         n, m = a.shape[0], b.shape[0]
         row = a.new_full((n,), float("-inf"))
         col = a.new_full((m,), float("-inf")) if want_col else a.new_empty(0)
@@ -33,43 +52,74 @@ class _PairLSE(torch.autograd.Function):
                 row[i0:i1] = torch.logaddexp(row[i0:i1], torch.logsumexp(z, 1))
                 if want_col:
                     col[j0:j1] = torch.logaddexp(col[j0:j1], torch.logsumexp(z, 0))
-        ctx.save_for_backward(a, b, scale, row, col)
-        ctx.chunk, ctx.want_col = chunk, want_col
+        lo, hi = _diag(n, m, offset)
+        pos = _rowdot(a[lo:hi], b[lo + offset:hi + offset], chunk).mul_(scale)
+        row[lo:hi] -= pos
+        if want_col:
+            col[lo + offset:hi + offset] -= pos
+        ctx.save_for_backward(a, b, scale, row + 0, col + 0, pos)
+        ctx.chunk, ctx.offset, ctx.want_col = chunk, offset, want_col
         return row, col
 
     @staticmethod
     def backward(ctx, g_row, g_col):
-        a, b, scale, row, col = ctx.saved_tensors
+        a, b, scale, row, col, pos = ctx.saved_tensors
+        n, m, off = a.shape[0], b.shape[0], ctx.offset
+        lo, hi = _diag(n, m, off)
+        # the saved statistics hold CE = LSE - pos; the softmax needs the LSE back
+        row_lse = row.clone()
+        row_lse[lo:hi] += pos
+        use_col = ctx.want_col and g_col is not None
+        if use_col:
+            col_lse = col.clone()
+            col_lse[lo + off:hi + off] += pos
         ga, gb = torch.zeros_like(a), torch.zeros_like(b)
         gs = torch.zeros((), dtype=a.dtype, device=a.device)
-        for i0, i1 in _tiles(a.shape[0], ctx.chunk):
-            for j0, j1 in _tiles(b.shape[0], ctx.chunk):
+        s = float(scale)  # addmm's alpha is a number (one host sync per backward)
+        for i0, i1 in _tiles(n, ctx.chunk):
+            for j0, j1 in _tiles(m, ctx.chunk):
                 dot = a[i0:i1] @ b[j0:j1].T
                 z = dot * scale
-                w = torch.exp(z - row[i0:i1, None]).mul_(g_row[i0:i1, None])
-                if ctx.want_col and g_col is not None:
-                    w += torch.exp(z - col[None, j0:j1]).mul_(g_col[None, j0:j1])
-                ga[i0:i1] += (w @ b[j0:j1]).mul_(scale)
-                gb[j0:j1] += (w.T @ a[i0:i1]).mul_(scale)
+                w = torch.exp(z - row_lse[i0:i1, None]).mul_(g_row[i0:i1, None])
+                if use_col:
+                    w += torch.exp(z - col_lse[None, j0:j1]).mul_(g_col[None, j0:j1])
+                ga[i0:i1].addmm_(w, b[j0:j1], alpha=s)
+                gb[j0:j1].addmm_(w.T, a[i0:i1], alpha=s)
                 gs += (w * dot).sum()
-        return ga, gb, gs.reshape(scale.shape), None, None
+        # positives: d(-s a_i.b_{i+off}) for the rows, and for the columns
+        gpos = g_row[lo:hi].clone()
+        if use_col:
+            gpos += g_col[lo + off:hi + off]
+        ga[lo:hi].addcmul_(gpos[:, None], b[lo + off:hi + off], value=-s)
+        gb[lo + off:hi + off].addcmul_(gpos[:, None], a[lo:hi], value=-s)
+        gs -= (gpos * pos).sum() / scale
+        return ga, gb, gs.reshape(scale.shape), None, None, None
 
 
-def pair_lse(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, chunk: int, want_col: bool = False):
-    """``a (n, D)``, ``b (m, D)``, ``scale`` 0-d. Returns ``row (n,)`` and ``col (m,)`` (empty unless asked)."""
+def pair_ce(a: torch.Tensor, b: torch.Tensor, scale, chunk: int, offset: int = 0, want_col: bool = False):
+    """Per-row (and per-column) InfoNCE terms of ``s a b^T`` with positives on the ``offset``
+    diagonal, for ``a (n, D)``, ``b (m, D)``: ``row (n,)``, ``col (m,)`` (empty unless asked)."""
     scale = torch.as_tensor(scale, dtype=a.dtype, device=a.device)
-    return _PairLSE.apply(a, b, scale, chunk, want_col)
+    return _PairCE.apply(a, b, scale, chunk, offset, want_col)
+
+
+def pair_lse(a: torch.Tensor, b: torch.Tensor, scale, chunk: int):
+    """``LSE_j(s a_i.b_j)`` per row (no positive subtracted): ``pair_ce`` with the diagonal off the block."""
+    return pair_ce(a, b, scale, chunk, offset=b.shape[0])[0]
 
 
 class _SoftplusSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, scale, bias, chunk: int):
+    def forward(ctx, a, b, scale, bias, chunk: int, offset: int | None):
         total = a.new_zeros(())
         for i0, i1 in _tiles(a.shape[0], chunk):
             for j0, j1 in _tiles(b.shape[0], chunk):
                 total += F.softplus((a[i0:i1] @ b[j0:j1].T).mul_(scale).add_(bias)).sum()
+        if offset is not None:
+            lo, hi = _diag(a.shape[0], b.shape[0], offset)
+            total -= (_rowdot(a[lo:hi], b[lo + offset:hi + offset], chunk) * scale + bias).sum()
         ctx.save_for_backward(a, b, scale, bias)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.offset = chunk, offset
         return total
 
     @staticmethod
@@ -78,43 +128,57 @@ class _SoftplusSum(torch.autograd.Function):
         ga, gb = torch.zeros_like(a), torch.zeros_like(b)
         gs = torch.zeros((), dtype=a.dtype, device=a.device)
         gbias = torch.zeros((), dtype=a.dtype, device=a.device)
+        s = float(scale)
         for i0, i1 in _tiles(a.shape[0], ctx.chunk):
             for j0, j1 in _tiles(b.shape[0], ctx.chunk):
                 dot = a[i0:i1] @ b[j0:j1].T
                 w = torch.sigmoid(dot * scale + bias).mul_(g)
-                ga[i0:i1] += (w @ b[j0:j1]).mul_(scale)
-                gb[j0:j1] += (w.T @ a[i0:i1]).mul_(scale)
+                ga[i0:i1].addmm_(w, b[j0:j1], alpha=s)
+                gb[j0:j1].addmm_(w.T, a[i0:i1], alpha=s)
                 gs += (w * dot).sum()
                 gbias += w.sum()
-        return ga, gb, gs.reshape(scale.shape), gbias.reshape(bias.shape), None
+        if ctx.offset is not None:
+            off = ctx.offset
+            lo, hi = _diag(a.shape[0], b.shape[0], off)
+            ga[lo:hi].add_(b[lo + off:hi + off], alpha=-float(g) * s)
+            gb[lo + off:hi + off].add_(a[lo:hi], alpha=-float(g) * s)
+            gs -= g * _rowdot(a[lo:hi], b[lo + off:hi + off], ctx.chunk).sum()
+            gbias -= g * (hi - lo)
+        return ga, gb, gs.reshape(scale.shape), gbias.reshape(bias.shape), None, None
 
 
-def softplus_sum(a: torch.Tensor, b: torch.Tensor, scale, bias, chunk: int) -> torch.Tensor:
-    """``sum_ij softplus(scale * a_i.b_j + bias)`` for ``a (n, D)``, ``b (m, D)``."""
+def softplus_sum(a: torch.Tensor, b: torch.Tensor, scale, bias, chunk: int, offset: int | None = None):
+    """``sum_ij softplus(s a_i.b_j + bias)`` for ``a (n, D)``, ``b (m, D)``, minus the logits
+    ``s a_i.b_{i+offset} + bias`` of the positives when ``offset`` is given (SigLIP:
+    ``-log sigmoid(l) = softplus(l) - l``)."""
     scale = torch.as_tensor(scale, dtype=a.dtype, device=a.device)
     bias = torch.as_tensor(0.0 if bias is None else bias, dtype=a.dtype, device=a.device)
-    return _SoftplusSum.apply(a, b, scale, bias, chunk)
-
-
-@torch.no_grad()
-def target_row_lse(t_rows: torch.Tensor, t_cols: torch.Tensor, tau: float, chunk: int) -> torch.Tensor:
-    """``LSE_j(t_i.t_j / tau)`` per row, tiled."""
-    row = t_rows.new_full((t_rows.shape[0],), float("-inf"))
-    for i0, i1 in _tiles(t_rows.shape[0], chunk):
-        for j0, j1 in _tiles(t_cols.shape[0], chunk):
-            row[i0:i1] = torch.logaddexp(row[i0:i1], torch.logsumexp(t_rows[i0:i1] @ t_cols[j0:j1].T / tau, 1))
-    return row
+    return _SoftplusSum.apply(a, b, scale, bias, chunk, offset)
 
 
 class _TargetMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, v, t_rows, t_cols, row_lse, tau: float, chunk: int):
-        out = v.new_zeros((t_rows.shape[0], v.shape[1]))
-        for i0, i1 in _tiles(t_rows.shape[0], chunk):
+    def forward(ctx, v, t_rows, t_cols, tau: float, chunk: int):
+        # one pass with an online softmax (running max and sum, rescaled accumulator), so the
+        # normaliser needs no separate pass over the target tiles
+        n = t_rows.shape[0]
+        out = v.new_zeros((n, v.shape[1]))
+        lse = t_rows.new_empty(n)
+        for i0, i1 in _tiles(n, chunk):
+            m = t_rows.new_full((i1 - i0,), float("-inf"))
+            norm = t_rows.new_zeros(i1 - i0)
+            acc = out[i0:i1]
             for j0, j1 in _tiles(t_cols.shape[0], chunk):
-                g = torch.exp(t_rows[i0:i1] @ t_cols[j0:j1].T / tau - row_lse[i0:i1, None]).to(v.dtype)
-                out[i0:i1] += g @ v[j0:j1]
-        ctx.save_for_backward(t_rows, t_cols, row_lse)
+                sim = t_rows[i0:i1] @ t_cols[j0:j1].T / tau
+                m_new = torch.maximum(m, sim.max(1).values)
+                alpha = torch.exp(m - m_new)
+                p = torch.exp(sim - m_new[:, None])
+                norm = norm * alpha + p.sum(1)
+                acc.mul_(alpha[:, None].to(v.dtype)).add_(p.to(v.dtype) @ v[j0:j1])
+                m = m_new
+            acc.div_(norm[:, None].to(v.dtype))
+            lse[i0:i1] = m + torch.log(norm)
+        ctx.save_for_backward(t_rows, t_cols, lse)
         ctx.tau, ctx.chunk, ctx.v_dtype = tau, chunk, v.dtype
         return out
 
@@ -126,13 +190,10 @@ class _TargetMatmul(torch.autograd.Function):
             for j0, j1 in _tiles(t_cols.shape[0], ctx.chunk):
                 g = torch.exp(t_rows[i0:i1] @ t_cols[j0:j1].T / ctx.tau - row_lse[i0:i1, None]).to(ctx.v_dtype)
                 gv[j0:j1] += g.T @ grad_out[i0:i1]
-        return gv, None, None, None, None, None
+        return gv, None, None, None, None
 
 
-def target_matmul(v: torch.Tensor, t_rows: torch.Tensor, t_cols: torch.Tensor, tau: float, chunk: int,
-                  row_lse: torch.Tensor | None = None) -> torch.Tensor:
+def target_matmul(v: torch.Tensor, t_rows: torch.Tensor, t_cols: torch.Tensor, tau: float, chunk: int) -> torch.Tensor:
     """``softmax_r(t_rows t_cols^T / tau) @ v`` for ``v (m, D)``, ``t_rows (n, E)``, ``t_cols (m, E)``
     (targets detached); the gradient flows into ``v``."""
-    if row_lse is None:
-        row_lse = target_row_lse(t_rows, t_cols, tau, chunk)
-    return _TargetMatmul.apply(v, t_rows.detach(), t_cols.detach(), row_lse, tau, chunk)
+    return _TargetMatmul.apply(v, t_rows.detach(), t_cols.detach(), tau, chunk)

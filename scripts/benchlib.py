@@ -1,0 +1,114 @@
+"""Shared helpers for scripts/bench_*.py: a loss-internal memory counter, timing, the JSON schema."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+RESULTS = Path(__file__).resolve().parent.parent / "bench_results"
+
+
+class PeakTensorMemory(TorchDispatchMode):
+    """Peak bytes of tensor storage created by ops run under this mode and still alive.
+
+    Every op's outputs are seen here (forward, backward and custom autograd Functions alike); a
+    storage counts from its first appearance until the last tensor viewing it is freed. Tensors
+    created before the mode (the inputs) are not counted."""
+
+    def __init__(self, exclude: tuple[torch.Tensor, ...] = ()):
+        super().__init__()
+        # storages of the inputs (and their pre-allocated .grad) are not the loss's memory
+        self.external = {t.untyped_storage().data_ptr() for t in exclude}
+        self.live = 0
+        self.peak = 0
+        self.refs: dict[int, list[int]] = {}  # storage data_ptr -> [nbytes, live tensors]
+        self.at_peak: dict[int, int] = {}  # storage -> nbytes of what was alive at the peak
+
+    def _release(self, key: int) -> None:
+        entry = self.refs.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.live -= entry[0]
+            del self.refs[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                st = t.untyped_storage()
+                key, nbytes = st.data_ptr(), st.nbytes()
+                if nbytes == 0 or key in self.external:
+                    continue
+                if key not in self.refs:
+                    self.refs[key] = [nbytes, 0]
+                    self.live += nbytes
+                    if self.live > self.peak:
+                        self.peak = self.live
+                        self.at_peak = {k: v[0] for k, v in self.refs.items()}
+                self.refs[key][1] += 1
+                weakref.finalize(t, self._release, key)
+        return out
+
+
+def measure(fn, inputs: tuple[torch.Tensor, ...], repeats: int = 3) -> tuple[list[float], int]:
+    """``fn()`` runs forward+backward of a loss on ``inputs`` (leaf tensors); returns the wall times
+    and the loss-internal peak bytes of one more run: the inputs, their pre-allocated ``.grad`` and the
+    gradient tensors delivered to them are excluded (contracts.md: "excluding the inputs and their
+    gradients")."""
+    times = []
+    for _ in range(repeats):
+        for t in inputs:
+            t.grad = None
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    for t in inputs:
+        t.grad = torch.zeros_like(t)
+    delivered: list[int] = []  # storages of the gradients handed to the inputs
+    hooks = [t.register_hook(lambda g: delivered.append(g.untyped_storage().data_ptr())) for t in inputs]
+    with PeakTensorMemory(exclude=inputs + tuple(t.grad for t in inputs)) as mem:
+        fn()
+    for h in hooks:
+        h.remove()
+    # the inputs' gradients are excluded too: subtract those alive at the peak
+    return times, mem.peak - sum(mem.at_peak.get(k, 0) for k in set(delivered))
+
+
+def write_result(name: str, ratio: float, higher_is_better: bool, target: float, runs: list[float],
+                 extra: dict) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    data = {"ratio": round(ratio, 4), "higher_is_better": higher_is_better, "target": target,
+            "runs": [round(r, 4) for r in runs], "spread": [round(min(runs), 4), round(max(runs), 4)],
+            "command": "python " + " ".join([f"scripts/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
+            "extra": extra}
+    try:
+        data["extra"]["git_sha"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                                  text=True).stdout.strip() or None
+    except OSError:
+        pass
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def table(rows: list[tuple], header: tuple) -> str:
+    rows = [tuple(str(c) for c in header)] + [tuple(str(c) for c in r) for r in rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
