@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -12,13 +13,25 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     b = sub.add_parser("build", help="write WebDataset shards (+ sizes.json, manifest.json) from a source")
-    b.add_argument("source", help="demo:openmoji (packaged real data; more source kinds follow)")
-    b.add_argument("--out", required=True, help="dataset folder to write (train/ and test/ inside)")
-    b.add_argument("--source-type", default=None, help="force the source kind instead of detecting it")
+    b.add_argument("source", help="a .tsv/.csv/.parquet table, an image folder, an img2dataset output folder, "
+                   "a saved HF dataset folder or hf:NAME[:SPLIT], or demo:openmoji (packaged real data)")
+    b.add_argument("--out", required=True, help="dataset folder to write (demo sources: train/ and test/ inside)")
+    b.add_argument("--source-type", default=None, choices=["table", "folder", "img2dataset", "hf", "demo"],
+                   help="force the source kind instead of detecting it from the path")
+    b.add_argument("--image-column", default=None, help="table/HF column with the image (default: image)")
+    b.add_argument("--caption-column", default=None, help="table/HF column with the caption (default: caption; HF: text)")
+    b.add_argument("--key-column", default=None, help="table column with sample keys (default: the row number)")
+    b.add_argument("--base-dir", default=None, help="folder that table image paths are relative to (default: the table's)")
+    b.add_argument("--captions", default=None, help="image folder: captions file (TSV/CSV file,caption or JSON)")
     b.add_argument("--image-size", type=int, default=256, help="shorter image side after resize (px)")
-    b.add_argument("--shard-size", type=int, default=1000, help="samples per shard")
-    b.add_argument("--image-format", choices=["jpg", "png"], default=None, help="re-encoding (demo: png)")
-    b.add_argument("--limit", type=int, default=None, help="use only the first N items of the source")
+    b.add_argument("--shard-size", type=int, default=1000, help="samples per shard (one source chunk each)")
+    b.add_argument("--shard-bytes", type=float, default=1e9, help="bytes per shard before a part file starts")
+    b.add_argument("--image-format", choices=["jpg", "png"], default=None, help="re-encoding (default jpg; demo png)")
+    b.add_argument("--quality", type=int, default=95, help="JPEG quality")
+    b.add_argument("--max-pixels", type=int, default=64_000_000, help="skip larger images (decompression bombs)")
+    b.add_argument("--workers", type=int, default=max(1, min(4, os.cpu_count() or 1)),
+                   help="processes writing shards (also split across ranks under accelerate launch)")
+    b.add_argument("--limit", type=int, default=None, help="demo/folder: use only the first N items")
     b.add_argument("--overwrite", action="store_true", help="replace an existing dataset in --out")
 
     e = sub.add_parser("embed", help="store frozen sentence-transformer caption embeddings in the shards")
@@ -30,9 +43,11 @@ def _parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="read every sample back and check it against sizes.json and the manifest")
     v.add_argument("dir")
-    v.add_argument("--strict", action="store_true", help="also require embeddings in every shard once recorded")
+    v.add_argument("--strict", action="store_true", help="exit 1 on any problem (default: only on missing "
+                   "shards, unreadable tars and count mismatches)")
 
-    s = sub.add_parser("stats", help="print sample counts, caption and image statistics as JSON")
+    s = sub.add_parser("stats", help="print sample counts, caption and image statistics as JSON; "
+                       "write DIR/stats.png")
     s.add_argument("dir")
     return p
 
@@ -41,15 +56,15 @@ def _run(args) -> int:
     if args.cmd == "build":
         from data_tools.build import build
 
-        if args.source_type not in (None, "demo"):
-            print(f"error: --source-type {args.source_type}: only 'demo' sources are supported so far",
-                  file=sys.stderr)
-            return 2
         if args.image_size <= 0 or args.shard_size <= 0 or (args.limit is not None and args.limit <= 0):
             print("error: --image-size, --shard-size and --limit must be positive", file=sys.stderr)
             return 2
         summary = build(args.source, args.out, image_size=args.image_size, shard_size=args.shard_size,
-                        limit=args.limit, image_format=args.image_format, overwrite=args.overwrite)
+                        limit=args.limit, image_format=args.image_format, overwrite=args.overwrite,
+                        source_type=args.source_type, image_column=args.image_column,
+                        caption_column=args.caption_column, key_column=args.key_column, base_dir=args.base_dir,
+                        captions=args.captions, workers=args.workers, shard_bytes=args.shard_bytes,
+                        quality=args.quality, max_pixels=args.max_pixels)
         print(json.dumps(summary, indent=2))
         return 0
     if args.cmd == "embed":
@@ -59,15 +74,18 @@ def _run(args) -> int:
                                device=args.device), indent=2))
         return 0
     if args.cmd == "verify":
-        from data_tools.inspect import verify
+        from data_tools.inspect import FATAL, verify
 
-        bad = 0
-        for folder, problems in verify(args.dir, strict=args.strict).items():
-            print(f"{folder}: {'ok' if not problems else f'{len(problems)} problem(s)'}")
-            for line in problems[:50]:
-                print(f"  {line}")
-            bad += len(problems)
-        return 1 if bad else 0
+        failed = False
+        for folder, problems in verify(args.dir).items():
+            total = sum(len(v) for v in problems.values())
+            print(f"{folder}: {'ok' if not total else f'{total} problem(s)'}")
+            for kind, lines in sorted(problems.items()):
+                print(f"  {kind}: {len(lines)}")
+                for line in lines[:10]:
+                    print(f"    {line}")
+                failed |= args.strict or kind in FATAL
+        return 1 if failed else 0
     from data_tools.inspect import stats
 
     print(json.dumps(stats(args.dir), indent=2))

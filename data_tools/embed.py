@@ -2,20 +2,23 @@
 
 float16, L2-normalised, shape ``(E,)``. Each shard is rewritten through a temporary file and an
 atomic rename, so an interrupted run leaves every shard either old or new, never half-written; a
-re-run skips shards whose samples already carry embeddings of the recorded model.
+re-run skips shards already embedded with the same model (``.embed/SHARD.json``). Under
+``accelerate launch`` each rank embeds every world-th shard; rank 0 records the result in the manifest.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
+import tarfile
 from pathlib import Path
 
 import numpy as np
-import webdataset as wds
 
 from mmpretrain.data.manifest import MANIFEST, SIZES, read_manifest, read_sizes, write_json_atomic
-from mmpretrain.data.shards import iter_samples
+
+MARKERS = ".embed"  # per-shard completion records: {model, dim, count}
 
 
 class EmbedError(RuntimeError):
@@ -51,49 +54,166 @@ def check_model(folder: Path, model: str, overwrite: bool) -> None:
         )
 
 
-def embed_folder(folder: Path, model: str, *, overwrite: bool, batch_size: int, encoder=None,
-                 device: str | None = None) -> dict:
-    check_model(folder, model, overwrite)
-    manifest = read_manifest(folder)
-    recorded = (manifest.get("embedding") or {}).get("model")
-    done = set(manifest.get("embedding", {}).get("shards", [])) if recorded == model and not overwrite else set()
-    todo = [name for name in sorted(read_sizes(folder)) if name not in done]
-    dim = (manifest.get("embedding") or {}).get("dim")
-    n = 0
-    for name in todo:
-        if encoder is None:
-            encoder = _load_encoder(model, device)
-        samples = list(iter_samples(folder / name))
-        captions = [s["txt"].decode("utf-8") for s in samples]
-        embs = encoder.encode(captions, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True)
-        embs = embs.astype(np.float16)
-        dim = int(embs.shape[1])
-        tmp = folder / (name + ".tmp")
-        with wds.TarWriter(str(tmp), encoder=False) as w:
-            for s, e in zip(samples, embs):
-                buf = io.BytesIO()
-                np.save(buf, e)
-                out = {k: v for k, v in s.items() if k not in ("__url__", "emb.npy")}
-                out["emb.npy"] = buf.getvalue()
-                w.write(out)
-        os.replace(tmp, folder / name)
-        n += len(samples)
-        done.add(name)
-        manifest["embedding"] = {"model": model, "dim": dim, "normalized": True, "dtype": "float16",
-                                 "shards": sorted(done)}
-        write_json_atomic(folder / MANIFEST, manifest)
-    return {"folder": str(folder), "embedded": n, "shards": len(todo), "dim": dim}
+def _marker(folder: Path, shard: str) -> Path:
+    return folder / MARKERS / (shard + ".json")
+
+
+def _shard_done(folder: Path, shard: str, model: str) -> bool:
+    p = _marker(folder, shard)
+    return p.is_file() and json.loads(p.read_text()).get("model") == model
+
+
+def _split_name(name: str) -> tuple[str, str]:
+    """WebDataset's rule: the key is the path up to the first dot of the base name."""
+    d, _, base = name.rpartition("/")
+    key, _, ext = base.partition(".")
+    return (d + "/" + key if d else key), ext
+
+
+def _read_shard(folder: Path, name: str, expected: int) -> tuple[list[tuple[tarfile.TarInfo, bytes]], list[str]]:
+    """The shard's members, raw (copied through untouched), and its captions in sample order."""
+    members, captions, keys = [], [], []
+    with tarfile.open(folder / name) as tf:
+        for ti in tf:
+            if not ti.isreg():
+                continue
+            key, ext = _split_name(ti.name)
+            if ext == "emb.npy":
+                continue  # replaced
+            data = tf.extractfile(ti).read()
+            members.append((ti, data))
+            if not keys or keys[-1] != key:
+                keys.append(key)
+                captions.append(None)
+            if ext == "txt":
+                captions[-1] = data.decode("utf-8")
+    if len(keys) != expected or any(c is None for c in captions):
+        raise EmbedError(f"{folder / name}: {len(keys)} samples ({sum(c is None for c in captions)} without a "
+                         f"caption), sizes.json says {expected}; run `data_tools verify` and rebuild the shard")
+    return members, captions
+
+
+def _write_shard(folder: Path, name: str, model: str, members: list, embs: np.ndarray) -> int:
+    """Rewrite one shard with ``{key}.emb.npy`` after each sample's members (through .tmp + rename)."""
+    tmp = folder / (name + ".tmp")
+    k = -1
+    with tarfile.open(tmp, "w") as out:
+        def add_emb(key, ref):
+            buf = io.BytesIO()
+            np.save(buf, embs[k])
+            ti = tarfile.TarInfo(f"{key}.emb.npy")
+            ti.size, ti.mtime, ti.mode = len(buf.getvalue()), ref.mtime, ref.mode
+            out.addfile(ti, io.BytesIO(buf.getvalue()))
+
+        prev, last = None, None
+        for ti, data in members:
+            key, _ = _split_name(ti.name)
+            if key != prev:
+                if prev is not None:
+                    add_emb(prev, last)
+                k += 1
+                prev = key
+            out.addfile(ti, io.BytesIO(data))
+            last = ti
+        if prev is not None:
+            add_emb(prev, last)
+    os.replace(tmp, folder / name)
+    write_json_atomic(_marker(folder, name), {"model": model, "dim": int(embs.shape[1]), "count": k + 1})
+    return k + 1
+
+
+def embed_shards(folder: Path, names: list[str], sizes: dict[str, int], model: str, encoder, batch_size: int,
+                 group: int = 8192) -> int:
+    """Embed shards in groups of about ``group`` captions: one ``encode`` call per group (so
+    sentence-transformers sorts a large set by length, as a single call over everything would), with
+    the next group read and the previous one written by a background thread while it encodes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    groups, cur, n = [], [], 0
+    for name in names:
+        cur.append(name)
+        n += sizes[name]
+        if n >= group:
+            groups.append(cur)
+            cur, n = [], 0
+    if cur:
+        groups.append(cur)
+    if not groups:
+        return 0
+
+    def read(g):
+        return [(name, *_read_shard(folder, name, sizes[name])) for name in g]
+
+    def write(shards, embs):
+        i = 0
+        for name, members, captions in shards:
+            _write_shard(folder, name, model, members, embs[i:i + len(captions)])
+            i += len(captions)
+
+    total = 0
+    with ThreadPoolExecutor(max_workers=2) as io_pool:
+        next_read = io_pool.submit(read, groups[0])
+        pending = None
+        for k in range(len(groups)):
+            shards = next_read.result()
+            if k + 1 < len(groups):
+                next_read = io_pool.submit(read, groups[k + 1])
+            captions = [c for _, _, caps in shards for c in caps]
+            embs = encoder.encode(captions, batch_size=batch_size, normalize_embeddings=True,
+                                  convert_to_numpy=True).astype(np.float16)
+            if pending is not None:
+                pending.result()
+            pending = io_pool.submit(write, shards, embs)
+            total += len(captions)
+        pending.result()
+    return total
+
+
+def _rank_world():
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import torch
+        from accelerate import PartialState
+
+        state = PartialState(cpu=not torch.cuda.is_available())
+        return state.process_index, state.num_processes, state
+    return 0, 1, None
 
 
 def embed(path: str | Path, model: str, *, overwrite: bool = False, batch_size: int = 256,
           device: str | None = None) -> list[dict]:
+    """Embed every dataset folder under ``path``; under ``accelerate launch`` each rank takes every
+    world-th shard. A re-run skips shards already embedded with ``model``."""
     folders = dataset_folders(path)
     for folder in folders:  # refuse before loading anything
         check_model(folder, model, overwrite)
+    rank, world, state = _rank_world()
+    if overwrite and rank == 0:
+        for folder in folders:
+            for p in (folder / MARKERS).glob("*.json"):
+                p.unlink()
+    if state is not None:
+        state.wait_for_everyone()
     encoder = None
     results = []
     for folder in folders:
-        if encoder is None:
-            encoder = _load_encoder(model, device)
-        results.append(embed_folder(folder, model, overwrite=overwrite, batch_size=batch_size, encoder=encoder))
+        sizes = read_sizes(folder)
+        names = sorted(sizes)
+        todo = [n for k, n in enumerate(names) if k % world == rank and not _shard_done(folder, n, model)]
+        if todo and encoder is None:
+            encoder = _load_encoder(model, device if device else (str(state.device) if state else None))
+        n = embed_shards(folder, todo, sizes, model, encoder, batch_size)
+        results.append({"folder": str(folder), "embedded": n, "shards": len(todo)})
+    if state is not None:
+        state.wait_for_everyone()
+    if rank == 0:
+        for folder, res in zip(folders, results):
+            names = sorted(read_sizes(folder))
+            markers = [json.loads(_marker(folder, n).read_text()) for n in names if _shard_done(folder, n, model)]
+            if len(markers) != len(names):
+                raise EmbedError(f"{folder}: {len(names) - len(markers)} shard(s) not embedded; run embed again")
+            manifest = read_manifest(folder)
+            manifest["embedding"] = {"model": model, "dim": markers[0]["dim"], "normalized": True,
+                                     "dtype": "float16", "count": sum(m["count"] for m in markers)}
+            write_json_atomic(folder / MANIFEST, manifest)
+            res["dim"] = markers[0]["dim"]
     return results

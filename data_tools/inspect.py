@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -14,63 +14,72 @@ from data_tools.embed import dataset_folders
 from mmpretrain.data.manifest import read_manifest, read_sizes
 from mmpretrain.data.shards import IMAGE_EXTS, iter_samples
 
+# problems that make the folder unusable as listed (exit 1 even without --strict)
+FATAL = {"missing_shard", "unreadable_tar", "count_mismatch"}
 
-def verify_folder(folder: Path, strict: bool = False) -> list[str]:
-    """Problems found in one dataset folder (empty list = valid)."""
-    problems: list[str] = []
+
+def verify_folder(folder: Path) -> dict[str, list[str]]:
+    """Problems found in one dataset folder, by kind (empty = valid)."""
+    problems: dict[str, list[str]] = defaultdict(list)
     sizes = read_sizes(folder)
-    manifest = read_manifest(folder)
-    emb = manifest.get("embedding") or {}
+    emb = read_manifest(folder).get("embedding") or {}
+    seen: dict[str, str] = {}
     for name, expected in sorted(sizes.items()):
         path = folder / name
         if not path.is_file():
-            problems.append(f"{path}: listed in sizes.json but missing")
+            problems["missing_shard"].append(f"{path}: listed in sizes.json but missing")
             continue
         count = 0
-        try:
-            for s in iter_samples(path):
-                count += 1
-                key = f"{path}:{s['__key__']}"
-                ext = next((e for e in IMAGE_EXTS if e in s), None)
-                if ext is None:
-                    problems.append(f"{key}: no image member")
-                else:
-                    try:
-                        Image.open(io.BytesIO(s[ext])).load()
-                    except Exception as e:
-                        problems.append(f"{key}: image does not decode ({e.__class__.__name__})")
+
+        def on_error(exn, path=path):
+            problems["unreadable_tar"].append(f"{path}: {exn}")
+            return True
+
+        for s in iter_samples(path, handler=on_error):
+            count += 1
+            key = f"{path.name}:{s['__key__']}"
+            if s["__key__"] in seen:
+                problems["duplicate_key"].append(f"{key}: also in {seen[s['__key__']]}")
+            seen.setdefault(s["__key__"], path.name)
+            ext = next((e for e in IMAGE_EXTS if e in s), None)
+            if ext is None:
+                problems["missing_image"].append(f"{key}: no image member")
+            else:
                 try:
-                    if not s.get("txt", b"").decode("utf-8").strip():
-                        problems.append(f"{key}: empty or missing caption")
-                except UnicodeDecodeError:
-                    problems.append(f"{key}: caption is not UTF-8")
-                if "json" in s:
-                    try:
-                        json.loads(s["json"])
-                    except ValueError:
-                        problems.append(f"{key}: json member does not parse")
-                if emb:
-                    if "emb.npy" not in s:
-                        if strict or name in emb.get("shards", []):
-                            problems.append(f"{key}: no emb.npy although the manifest records embeddings")
-                    else:
-                        v = np.load(io.BytesIO(s["emb.npy"]))
-                        if v.dtype != np.float16 or v.shape != (emb["dim"],):
-                            problems.append(f"{key}: emb.npy is {v.dtype}{v.shape}, expected float16({emb['dim']},)")
-                        elif abs(float(np.linalg.norm(v.astype(np.float32))) - 1) > 1e-2:
-                            problems.append(f"{key}: emb.npy is not L2-normalised")
-        except Exception as e:
-            problems.append(f"{path}: unreadable tar ({e})")
+                    Image.open(io.BytesIO(s[ext])).load()
+                except Exception as e:
+                    problems["undecodable_image"].append(f"{key}: {e.__class__.__name__}")
+            try:
+                if "txt" not in s:
+                    problems["missing_caption"].append(f"{key}: no txt member")
+                elif not s["txt"].decode("utf-8").strip():
+                    problems["empty_caption"].append(f"{key}: empty caption")
+            except UnicodeDecodeError:
+                problems["caption_not_utf8"].append(f"{key}: caption is not UTF-8")
+            if "json" in s:
+                try:
+                    json.loads(s["json"])
+                except ValueError:
+                    problems["bad_json"].append(f"{key}: json member does not parse")
+            if emb:
+                if "emb.npy" not in s:
+                    problems["missing_embedding"].append(f"{key}: no emb.npy but the manifest records embeddings")
+                else:
+                    v = np.load(io.BytesIO(s["emb.npy"]))
+                    if v.dtype != np.float16 or v.shape != (emb["dim"],):
+                        problems["bad_embedding"].append(f"{key}: {v.dtype}{v.shape}, expected float16({emb['dim']},)")
+                    elif abs(float(np.linalg.norm(v.astype(np.float32))) - 1) > 1e-2:
+                        problems["bad_embedding"].append(f"{key}: not L2-normalised")
         if count != expected:
-            problems.append(f"{path}: {count} samples, sizes.json says {expected}")
-    return problems
+            problems["count_mismatch"].append(f"{path}: {count} samples, sizes.json says {expected}")
+    return dict(problems)
 
 
-def verify(path: str | Path, strict: bool = False) -> dict[str, list[str]]:
-    return {str(f): verify_folder(f, strict) for f in dataset_folders(path)}
+def verify(path: str | Path) -> dict[str, dict[str, list[str]]]:
+    return {str(f): verify_folder(f) for f in dataset_folders(path)}
 
 
-def stats_folder(folder: Path) -> dict:
+def stats_folder(folder: Path, plot: bool = True) -> dict:
     sizes = read_sizes(folder)
     words, widths, heights, labels = [], [], [], Counter()
     with_emb = 0
@@ -84,14 +93,17 @@ def stats_folder(folder: Path) -> dict:
                 if "label_name" in meta:
                     labels[meta["label_name"]] += 1
             with_emb += "emb.npy" in s
-    n = len(words)
 
     def summary(xs):
-        return {"min": int(min(xs)), "mean": round(float(np.mean(xs)), 2), "max": int(max(xs))} if xs else None
+        if not xs:
+            return None
+        q = np.percentile(xs, [5, 50, 95])
+        return {"min": int(min(xs)), "p5": float(q[0]), "median": float(q[1]), "mean": round(float(np.mean(xs)), 2),
+                "p95": float(q[2]), "max": int(max(xs))}
 
-    return {
+    out = {
         "folder": str(folder),
-        "samples": n,
+        "samples": len(words),
         "shards": len(sizes),
         "caption_words": summary(words),
         "image_width": summary(widths),
@@ -100,6 +112,31 @@ def stats_folder(folder: Path) -> dict:
         "labels": dict(labels.most_common()),
         "skipped_at_build": read_manifest(folder).get("skipped", {}),
     }
+    if plot and words:
+        out["plot"] = str(_plot(folder, words, widths, heights))
+    return out
+
+
+def _plot(folder: Path, words: list[int], widths: list[int], heights: list[int]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    axes[0].hist(words, bins=range(0, max(words) + 2))
+    axes[0].set_xlabel("caption length (words)")
+    axes[0].set_ylabel("samples")
+    if widths:
+        axes[1].scatter(widths, heights, s=4, alpha=0.5)
+    axes[1].set_xlabel("image width (px)")
+    axes[1].set_ylabel("image height (px)")
+    fig.suptitle(folder.name)
+    fig.tight_layout()
+    path = folder / "stats.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def stats(path: str | Path) -> list[dict]:

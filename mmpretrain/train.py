@@ -84,10 +84,10 @@ def setup(cfg: ExperimentConfig) -> Run:
     plan = target_plan(cfg, urls, needs_targets)
 
     set_seed(cfg.seed)
+    model_cfg = factory.with_logit_init(model_cfg, objective.init_logit_scale, objective.init_logit_bias)
     model = factory.build_dual_encoder(
         model_cfg, pretrained=cfg.model.pretrained, arch=cfg.model.arch, lock_text=cfg.model.lock_text,
         text_from_targets=cfg.model.text_from_targets,
-        init_logit_scale=objective.init_logit_scale, init_logit_bias=objective.init_logit_bias,
     )
     preprocess_cfg = factory.default_preprocess_cfg(model_cfg)
     from open_clip.transform import PreprocessCfg, image_transform_v2

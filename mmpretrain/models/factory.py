@@ -152,6 +152,17 @@ def check_text_from_targets(model_cfg: dict, targets_model: str) -> None:
         raise ValueError("model.text_from_targets=true is not exact here: " + "; ".join(problems))
 
 
+def with_logit_init(model_cfg: dict, scale: float | None, bias: float | None) -> dict:
+    """The config with the objective's initial logit scale and bias; a bias makes the model own a
+    ``logit_bias`` parameter, so the saved config must carry it for the weights to load back."""
+    model_cfg = copy.deepcopy(model_cfg)
+    if scale is not None:
+        model_cfg["init_logit_scale"] = scale
+    if bias is not None:
+        model_cfg["init_logit_bias"] = bias
+    return model_cfg
+
+
 def build_dual_encoder(
     model_cfg: dict,
     *,
@@ -163,11 +174,7 @@ def build_dual_encoder(
     init_logit_bias: float | None = None,
 ) -> DualEncoder:
     """The model to train. ``init_logit_*`` come from the objective's declared preferences."""
-    model_cfg = copy.deepcopy(model_cfg)
-    if init_logit_scale is not None:
-        model_cfg["init_logit_scale"] = init_logit_scale
-    if init_logit_bias is not None:
-        model_cfg["init_logit_bias"] = init_logit_bias
+    model_cfg = with_logit_init(model_cfg, init_logit_scale, init_logit_bias)
     clip = instantiate(model_cfg, load_text_weights=pretrained is None)
     if pretrained is not None:
         ckpt = pretrained

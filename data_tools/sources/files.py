@@ -1,0 +1,342 @@
+"""File-based sources: tables (TSV/CSV/parquet), image folders, img2dataset output, Hugging Face datasets.
+
+Each source lists its records deterministically, splits them into chunks (one chunk -> one output
+shard, so the result does not depend on how many processes build it) and reads a chunk lazily in a
+worker process. A source that cannot be read at all raises :class:`SourceError` (exit code 2)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from data_tools.sources.records import MISSING_FILE, MISSING_IMAGE, Record
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+class SourceError(ValueError):
+    """The source cannot be read at all (bad path, missing column, unknown format): exit code 2."""
+
+
+def clean_key(raw: str) -> str:
+    """A WebDataset key: no dots (the extension starts at the first dot) and no path separators."""
+    return re.sub(r"[^A-Za-z0-9_\-]", "_", raw)
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        return None
+
+
+class RangeSource:
+    """A source with random access to ``len(self)`` records."""
+
+    kind = "range"
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def keys(self) -> list[str]:
+        raise NotImplementedError
+
+    def record(self, i: int) -> Record:
+        raise NotImplementedError
+
+    def chunks(self, size: int) -> list[tuple[int, int]]:
+        n = len(self)
+        return [(i, min(i + size, n)) for i in range(0, n, size)]
+
+    def read_chunk(self, chunk: tuple[int, int]) -> Iterator[Record]:
+        for i in range(*chunk):
+            yield self.record(i)
+
+
+class _Table:
+    def __init__(self, columns: list[str], data: dict[str, list]):
+        self.columns, self.data = list(columns), data
+
+    def __len__(self) -> int:
+        return len(self.data[self.columns[0]]) if self.columns else 0
+
+
+class TableSource(RangeSource):
+    """TSV/CSV/parquet with an image column (paths relative to ``base_dir``) and a caption column."""
+
+    kind = "table"
+
+    def __init__(self, path: str | Path, image_column: str, caption_column: str, base_dir: str | None,
+                 key_column: str | None = None):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise SourceError(f"{self.path}: no such table file")
+        self.image_column, self.caption_column, self.key_column = image_column, caption_column, key_column
+        self.base_dir = Path(base_dir) if base_dir else self.path.parent
+        self._df = None
+        df = self._table()
+        missing = [c for c in (image_column, caption_column, key_column) if c and c not in df.columns]
+        if missing:
+            raise SourceError(
+                f"{self.path}: column(s) {missing} not found; columns are {list(df.columns)} "
+                "(choose with --image-column / --caption-column / --key-column)"
+            )
+        first = next((str(v) for v in df.data[image_column][:20] if v), "")
+        if re.match(r"^[a-z]+://", first):
+            raise SourceError(
+                f"{self.path}: column {image_column!r} holds URLs ({first[:60]}...); download the images "
+                "first with img2dataset (--output_format webdataset) and build from its output folder"
+            )
+
+    def _table(self) -> _Table:
+        if self._df is None:
+            suffix = self.path.suffix.lower()
+            try:
+                if suffix == ".parquet":
+                    import pyarrow.parquet as pq
+
+                    t = pq.read_table(self.path)
+                    self._df = _Table(t.column_names, {c: [None if v is None else str(v) if not isinstance(v, bytes)
+                                                            else v for v in t.column(c).to_pylist()]
+                                                       for c in t.column_names})
+                elif suffix in (".tsv", ".csv", ".txt"):
+                    import csv
+
+                    # undecodable bytes survive as surrogates; such a caption is skipped and counted later
+                    with open(self.path, newline="", encoding="utf-8", errors="surrogateescape") as f:
+                        reader = csv.reader(f, delimiter="," if suffix == ".csv" else "\t",
+                                            quoting=csv.QUOTE_MINIMAL if suffix == ".csv" else csv.QUOTE_NONE)
+                        header = next(reader, None)
+                        if header is None:
+                            raise SourceError(f"{self.path}: empty table (no header row)")
+                        rows = list(reader)
+                    cols = {c: [r[i] if i < len(r) else "" for r in rows] for i, c in enumerate(header)}
+                    self._df = _Table(header, cols)
+                else:
+                    raise SourceError(f"{self.path}: unknown table format {suffix!r}; use .tsv, .csv or .parquet")
+            except SourceError:
+                raise
+            except Exception as e:
+                raise SourceError(f"{self.path}: cannot be read as a table ({e})") from None
+        return self._df
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_df"] = None  # each worker reads the table itself
+        return state
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+    def keys(self) -> list[str]:
+        df = self._table()
+        if self.key_column:
+            return [clean_key(str(k)) for k in df.data[self.key_column]]
+        return [f"{i:09d}" for i in range(len(df))]
+
+    def record(self, i: int) -> Record:
+        data = self._table().data
+        key = clean_key(str(data[self.key_column][i])) if self.key_column else f"{i:09d}"
+        rel = data[self.image_column][i] or ""
+        caption = data[self.caption_column][i]
+        meta = {"source_row": i, "image_path": rel}
+        if not rel:
+            return Record(key, caption=caption, meta=meta, error=MISSING_IMAGE)
+        data = _read_bytes(self.base_dir / rel)
+        if data is None:
+            return Record(key, caption=caption, meta=meta, error=MISSING_FILE)
+        return Record(key, image=data, caption=caption, meta=meta)
+
+
+class FolderSource(RangeSource):
+    """A folder of images; caption from a same-stem ``.txt`` or from a captions file
+    (TSV/CSV with columns ``file`` and ``caption``, or a JSON object file -> caption)."""
+
+    kind = "folder"
+
+    def __init__(self, path: str | Path, captions: str | None = None):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise SourceError(f"{self.path}: no such folder")
+        self.files = sorted(p.relative_to(self.path).as_posix() for p in self.path.rglob("*")
+                            if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+        if not self.files:
+            raise SourceError(f"{self.path}: no images ({', '.join(IMAGE_SUFFIXES)}) in this folder")
+        self.captions: dict[str, str] | None = None
+        if captions:
+            self.captions = _read_captions(Path(captions))
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def keys(self) -> list[str]:
+        return [clean_key(f.rsplit(".", 1)[0]) for f in self.files]
+
+    def record(self, i: int) -> Record:
+        rel = self.files[i]
+        key = clean_key(rel.rsplit(".", 1)[0])
+        if self.captions is not None:
+            caption = self.captions.get(rel)
+        else:
+            caption = _read_bytes((self.path / rel).with_suffix(".txt"))
+        data = _read_bytes(self.path / rel)
+        return Record(key, image=data, caption=caption, meta={"image_path": rel},
+                      error=MISSING_FILE if data is None else None)
+
+
+def _read_captions(path: Path) -> dict[str, str]:
+    if not path.is_file():
+        raise SourceError(f"--captions {path}: no such file")
+    if path.suffix == ".json":
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise SourceError(f"--captions {path}: a JSON captions file maps file name -> caption")
+        return {str(k): str(v) for k, v in data.items()}
+    import pandas as pd
+
+    df = pd.read_csv(path, sep="," if path.suffix == ".csv" else "\t", dtype=str, keep_default_na=False)
+    if not {"file", "caption"} <= set(df.columns):
+        raise SourceError(f"--captions {path}: needs columns 'file' and 'caption'; has {list(df.columns)}")
+    return dict(zip(df["file"], df["caption"]))
+
+
+class Img2DatasetSource:
+    """img2dataset's webdataset output (``{i:05d}.tar`` with jpg/txt/json, plus parquet and stats):
+    re-sharded one input tar to one output shard, every sample validated and re-encoded."""
+
+    kind = "img2dataset"
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.tars = sorted(p.name for p in self.path.glob("*.tar"))
+        if not self.tars:
+            raise SourceError(f"{self.path}: no .tar files (is this img2dataset's webdataset output?)")
+
+    def chunks(self, size: int) -> list[str]:
+        return list(self.tars)
+
+    def read_chunk(self, chunk: str) -> Iterator[Record]:
+        from mmpretrain.data.shards import IMAGE_EXTS, iter_samples
+
+        bad: list[int] = []
+
+        def handler(exn: Exception) -> bool:
+            bad.append(1)
+            return True
+
+        for s in iter_samples(self.path / chunk, handler=handler):
+            while bad:
+                bad.pop()
+                yield Record(f"unreadable-{chunk}", error="unreadable_tar")
+            ext = next((e for e in IMAGE_EXTS if e in s), None)
+            meta: dict[str, Any] = {}
+            if "json" in s:
+                try:
+                    meta = {k: v for k, v in json.loads(s["json"]).items() if k in ("url", "key", "caption")}
+                except ValueError:
+                    meta = {}
+            yield Record(clean_key(s["__key__"]), image=s.get(ext) if ext else None, caption=s.get("txt"),
+                         meta=meta, error=None if ext else MISSING_IMAGE)
+        for _ in bad:
+            yield Record(f"unreadable-{chunk}", error="unreadable_tar")
+
+    def keys(self) -> None:
+        return None  # known only by reading; duplicates are caught within each tar
+
+
+class HFSource(RangeSource):
+    """A Hugging Face dataset: a folder saved with ``save_to_disk`` or ``hf:NAME[:SPLIT]``."""
+
+    kind = "hf"
+
+    def __init__(self, spec: str, image_column: str, caption_column: str):
+        self.spec, self.image_column, self.caption_column = spec, image_column, caption_column
+        self._ds = None
+        ds = self._dataset()
+        missing = [c for c in (image_column, caption_column) if c not in ds.column_names]
+        if missing:
+            raise SourceError(f"{spec}: column(s) {missing} not found; columns are {ds.column_names} "
+                              "(choose with --image-column / --caption-column)")
+
+    def _dataset(self):
+        if self._ds is None:
+            import datasets
+
+            try:
+                if self.spec.startswith("hf:"):
+                    name, _, split = self.spec[3:].partition(":")
+                    ds = datasets.load_dataset(name, split=split or "train")
+                else:
+                    ds = datasets.load_from_disk(self.spec)
+                    if isinstance(ds, datasets.DatasetDict):
+                        raise SourceError(f"{self.spec}: a DatasetDict; build one split folder ({list(ds)})")
+            except SourceError:
+                raise
+            except Exception as e:
+                raise SourceError(f"{self.spec}: cannot load the dataset ({e})") from None
+            if isinstance(ds.features.get(self.image_column), datasets.Image):
+                ds = ds.cast_column(self.image_column, datasets.Image(decode=False))  # raw bytes: we decode
+            self._ds = ds
+        return self._ds
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_ds"] = None
+        return state
+
+    def __len__(self) -> int:
+        return len(self._dataset())
+
+    def keys(self) -> list[str]:
+        return [f"{i:09d}" for i in range(len(self))]
+
+    def record(self, i: int) -> Record:
+        row = self._dataset()[i]
+        img = row[self.image_column]
+        if isinstance(img, dict):
+            data = img.get("bytes")
+            if data is None and img.get("path"):
+                data = _read_bytes(Path(img["path"]))
+        elif isinstance(img, str):
+            data = _read_bytes(Path(img))
+        else:
+            data = img  # a PIL image or None
+        return Record(f"{i:09d}", image=data, caption=row[self.caption_column], meta={"source_row": i},
+                      error=MISSING_FILE if data is None else None)
+
+
+def detect(source: str, source_type: str | None) -> str:
+    """The source kind from the path (or ``--source-type``)."""
+    if source_type:
+        return source_type
+    if source.startswith("hf:"):
+        return "hf"
+    p = Path(source)
+    if p.is_file():
+        if p.suffix.lower() in (".tsv", ".csv", ".parquet"):
+            return "table"
+        raise SourceError(f"{p}: unknown source file type {p.suffix!r}; give --source-type")
+    if p.is_dir():
+        if (p / "dataset_info.json").is_file() or (p / "state.json").is_file():
+            return "hf"
+        if any(p.glob("*.tar")):
+            return "img2dataset"
+        return "folder"
+    raise SourceError(f"{source}: no such file or folder")
+
+
+def open_source(source: str, source_type: str | None, *, image_column: str | None, caption_column: str | None,
+                base_dir: str | None, key_column: str | None, captions: str | None):
+    kind = detect(source, source_type)
+    if kind == "table":
+        return TableSource(source, image_column or "image", caption_column or "caption", base_dir, key_column)
+    if kind == "folder":
+        return FolderSource(source, captions)
+    if kind == "img2dataset":
+        return Img2DatasetSource(source)
+    if kind == "hf":
+        return HFSource(source, image_column or "image", caption_column or "text")
+    raise SourceError(f"--source-type {kind!r}: choose table, folder, img2dataset, hf or demo")

@@ -1,0 +1,78 @@
+"""The record interface every build source implements, and image decoding with skip reasons."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from typing import Any
+
+from PIL import Image
+
+from data_tools.images import BadImage
+
+# skip reasons (manifest `skipped` keys)
+MISSING_FILE = "missing_file"
+ZERO_BYTE = "zero_byte_file"
+NOT_AN_IMAGE = "not_an_image"
+TRUNCATED = "truncated_image"
+TOO_MANY_PIXELS = "too_many_pixels"
+MISSING_CAPTION = "missing_caption"
+EMPTY_CAPTION = "empty_caption"
+CAPTION_NOT_UTF8 = "caption_not_utf8"
+DUPLICATE_KEY = "duplicate_key"
+MISSING_IMAGE = "missing_image"
+
+
+@dataclass
+class Record:
+    """One source item: image bytes (or a decoded image), caption, metadata; or the reason it is unusable."""
+
+    key: str
+    image: bytes | Image.Image | None = None
+    caption: str | bytes | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+def decode_caption(caption: str | bytes | None) -> str:
+    if caption is None:
+        raise BadImage(MISSING_CAPTION)
+    if isinstance(caption, bytes):
+        try:
+            caption = caption.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadImage(CAPTION_NOT_UTF8) from None
+    try:
+        caption.encode("utf-8")
+    except UnicodeEncodeError:  # undecodable bytes kept as surrogates by the table reader
+        raise BadImage(CAPTION_NOT_UTF8) from None
+    caption = caption.strip()
+    if not caption:
+        raise BadImage(EMPTY_CAPTION)
+    return caption
+
+
+def decode_image(data: bytes | Image.Image | None, max_pixels: int) -> Image.Image:
+    """Open and fully decode; raises BadImage with the skip reason."""
+    if data is None:
+        raise BadImage(MISSING_IMAGE)
+    if isinstance(data, Image.Image):
+        img = data
+    else:
+        if len(data) == 0:
+            raise BadImage(ZERO_BYTE)
+        try:
+            img = Image.open(io.BytesIO(data))
+        except Image.DecompressionBombError:
+            raise BadImage(TOO_MANY_PIXELS) from None
+        except Exception:
+            raise BadImage(NOT_AN_IMAGE) from None
+    if img.width * img.height > max_pixels:  # checked on the header, before decoding
+        raise BadImage(TOO_MANY_PIXELS, f"{img.width}x{img.height}")
+    try:
+        img.load()
+    except Image.DecompressionBombError:
+        raise BadImage(TOO_MANY_PIXELS) from None
+    except Exception:
+        raise BadImage(TRUNCATED) from None
+    return img

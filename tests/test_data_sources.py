@@ -1,0 +1,213 @@
+"""data_tools build from every source kind, on generated files holding real OpenMoji renders, with
+every kind of bad input counted by reason."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from data_tools.build import BuildError, build
+from mmpretrain.data.shards import iter_samples
+
+from conftest import run_cli
+
+KW = dict(image_size=32, shard_size=100, workers=1)
+
+
+@pytest.fixture(scope="module")
+def emoji_images(tmp_path_factory) -> list[tuple[Path, str]]:
+    """20 real emoji renders as JPEG/PNG files with their Unicode-name captions."""
+    from data_tools.sources.openmoji import Renderer, list_emoji
+
+    folder = tmp_path_factory.mktemp("emoji")
+    render = Renderer()
+    out = []
+    for i, e in enumerate(list_emoji(20)):
+        path = folder / f"{e.key}.{'jpg' if i % 2 else 'png'}"
+        render(e.text).resize((48, 48)).save(path)
+        out.append((path, e.name))
+    return out
+
+
+def shard_content(folder: Path) -> list[tuple]:
+    sizes = json.loads((folder / "sizes.json").read_text())
+    # shard names are prefixed with the folder's name; compare their numbers
+    return [(name.rsplit("-", 1)[1], s["__key__"], s["txt"], s.get("jpg")) for name in sorted(sizes)
+            for s in iter_samples(folder / name)]
+
+
+def broken_tsv(root: Path, emoji_images) -> Path:
+    """1,000 rows: 950 good, 50 broken in 7 ways."""
+    imgs = root / "imgs"
+    imgs.mkdir()
+    good = []
+    for path, caption in emoji_images:
+        (imgs / path.name).write_bytes(path.read_bytes())
+        good.append((path.name, caption))
+    (imgs / "zero.jpg").write_bytes(b"")
+    (imgs / "text.jpg").write_bytes(b"this is not an image at all")
+    buf = io.BytesIO()
+    Image.open(imgs / good[1][0]).convert("RGB").resize((256, 256)).save(buf, format="JPEG")
+    (imgs / "cut.jpg").write_bytes(buf.getvalue()[: len(buf.getvalue()) * 7 // 10])  # the tail is missing
+    Image.new("1", (9000, 9000)).save(imgs / "bomb.png")  # 81 Mpx, a few KB on disk
+    rows = [(good[i % len(good)][0], good[i % len(good)][1].encode()) for i in range(950)]
+    rows += [("nope.jpg", b"a missing file")] * 10 + [("zero.jpg", b"zero bytes")] * 10
+    rows += [("text.jpg", b"not an image")] * 10 + [("cut.jpg", b"truncated")] * 10
+    rows += [(good[0][0], b"  ")] * 4 + [(good[0][0], b"caf\xe9 latin-1")] * 3 + [("bomb.png", b"a bomb")] * 3
+    order = sorted(range(1000), key=lambda i: (i * 7919) % 1000)  # interleave the bad rows
+    tsv = root / "captions.tsv"
+    tsv.write_bytes(b"image\tcaption\n" + b"".join(f"imgs/{rows[i][0]}\t".encode() + rows[i][1] + b"\n"
+                                                   for i in order))
+    return tsv
+
+
+def test_tsv_with_broken_rows(tmp_path, emoji_images):
+    tsv = broken_tsv(tmp_path, emoji_images)
+    out = tmp_path / "cc"
+    r = run_cli("data_tools", "build", str(tsv), "--out", str(out), "--image-size", "32", "--shard-size", "200",
+                "--workers", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["counts"]["samples"] == 950
+    assert manifest["skipped"] == {"missing_file": 10, "zero_byte_file": 10, "not_an_image": 10,
+                                   "truncated_image": 10, "empty_caption": 4, "caption_not_utf8": 3,
+                                   "too_many_pixels": 3}
+    assert sum(json.loads((out / "sizes.json").read_text()).values()) == 950
+    v = run_cli("data_tools", "verify", str(out), "--strict")
+    assert v.returncode == 0, v.stdout
+    # same shards whatever the number of processes
+    single = tmp_path / "cc1"
+    build(str(tsv), single, image_size=32, shard_size=200, workers=1)
+    assert [c[1:] for c in shard_content(out)] == [c[1:] for c in shard_content(single)]
+
+
+def test_csv_parquet_and_columns(tmp_path, emoji_images):
+    import pandas as pd
+
+    df = pd.DataFrame({"path": [str(p) for p, _ in emoji_images], "text": [c for _, c in emoji_images],
+                       "id": [f"img.{i}" for i in range(len(emoji_images))]})
+    df.to_csv(tmp_path / "t.csv", index=False)
+    df.to_parquet(tmp_path / "t.parquet")
+    for name in ("t.csv", "t.parquet"):
+        res = build(str(tmp_path / name), tmp_path / name.replace(".", "_"), image_column="path",
+                    caption_column="text", key_column="id", **KW)
+        assert res["samples"] == 20 and res["skipped"] == {}
+    keys = [k for _, k, _, _ in shard_content(tmp_path / "t_csv")]
+    assert keys[:2] == ["img_0", "img_1"]  # dots would split WebDataset keys
+    r = run_cli("data_tools", "build", str(tmp_path / "t.csv"), "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and "'image'" in r.stderr and "--image-column" in r.stderr
+    (tmp_path / "t.xlsx").write_text("x")
+    r = run_cli("data_tools", "build", str(tmp_path / "t.xlsx"), "--out", str(tmp_path / "y"))
+    assert r.returncode == 2 and "t.xlsx" in r.stderr
+
+
+def test_image_folder_captions_and_duplicates(tmp_path, emoji_images):
+    folder = tmp_path / "folder"
+    (folder / "sub").mkdir(parents=True)
+    for i, (path, caption) in enumerate(emoji_images[:6]):
+        dest = folder / ("sub" if i % 2 else ".") / path.name
+        dest.write_bytes(path.read_bytes())
+        if i != 5:
+            dest.with_suffix(".txt").write_text(caption)
+    dup = folder / emoji_images[0][0].name
+    Image.open(dup).save(dup.with_suffix(".png" if dup.suffix == ".jpg" else ".jpg"))  # same stem, other format
+    res = build(str(folder), tmp_path / "out", **KW)
+    assert res["samples"] == 5 and res["skipped"] == {"missing_caption": 1, "duplicate_key": 1}
+    captions = tmp_path / "captions.tsv"
+    captions.write_text("file\tcaption\n" + "".join(f"{p.relative_to(folder).as_posix()}\tan emoji\n"
+                                                    for p in sorted(folder.rglob("*.*")) if p.suffix != ".txt"))
+    res = build(str(folder), tmp_path / "out2", captions=str(captions), **KW)
+    assert res["samples"] == 6 and res["skipped"] == {"duplicate_key": 1}
+
+
+def test_img2dataset_output(tmp_path, emoji_images):
+    import webdataset as wds
+
+    src = tmp_path / "i2d"
+    src.mkdir()
+    for t in range(2):
+        with wds.TarWriter(str(src / f"{t:05d}.tar"), encoder=False) as w:
+            for i, (path, caption) in enumerate(emoji_images[t * 10:(t + 1) * 10]):
+                img = Image.open(path).convert("RGB")
+                buf = io.BytesIO()
+                img.save(buf, format="JPEG")
+                w.write({"__key__": f"{t:05d}{i:04d}", "jpg": buf.getvalue() if i != 3 else b"garbage",
+                         "txt": caption.encode(), "json": json.dumps({"url": f"http://x/{i}.jpg"}).encode()})
+    (src / "00000.parquet").write_bytes(b"")  # img2dataset writes these beside the tars
+    res = build(str(src), tmp_path / "out", **KW)
+    assert res["samples"] == 18 and res["skipped"] == {"not_an_image": 2} and res["shards"] == 2
+    meta = json.loads(next(iter_samples(sorted((tmp_path / "out").glob("*.tar"))[0]))["json"])
+    assert meta["url"].startswith("http://x/")
+
+
+def test_hf_saved_dataset(tmp_path, emoji_images):
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"image": [str(p) for p, _ in emoji_images],
+                                     "text": [c for _, c in emoji_images]}).cast_column("image", datasets.Image())
+    ds.save_to_disk(str(tmp_path / "hfds"))
+    res = build(str(tmp_path / "hfds"), tmp_path / "out", **KW)
+    assert res["samples"] == 20
+    with pytest.raises(BuildError, match="caption"):
+        build(str(tmp_path / "hfds"), tmp_path / "out2", caption_column="caption", **KW)
+
+
+def test_interrupted_build_resumes_to_the_same_shards(tmp_path, emoji_images, monkeypatch):
+    import data_tools.parallel as parallel
+
+    tsv = broken_tsv(tmp_path, emoji_images)
+    clean = tmp_path / "clean"
+    build(str(tsv), clean, image_size=32, shard_size=150, workers=1)
+
+    out = tmp_path / "resumed"
+    real = parallel.write_chunk
+    calls = []
+
+    def dying(task):
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed")
+        calls.append(task[3])
+        return real(task)
+
+    monkeypatch.setattr(parallel, "write_chunk", dying)
+    with pytest.raises(KeyboardInterrupt):
+        build(str(tsv), out, image_size=32, shard_size=150, workers=1)
+    assert not (out / "sizes.json").exists()
+    done = {name: (out / name).stat().st_mtime_ns for name in calls}
+    monkeypatch.setattr(parallel, "write_chunk", real)
+    res = build(str(tsv), out, image_size=32, shard_size=150, workers=1)
+    assert res["written_now"] == res["chunks"] - 3
+    assert {name: (out / name).stat().st_mtime_ns for name in calls} == done  # complete shards untouched
+    assert shard_content(out) == shard_content(clean)
+    assert json.loads((out / "manifest.json").read_text())["skipped"] == \
+        json.loads((clean / "manifest.json").read_text())["skipped"]
+    # another source into the same folder is refused
+    with pytest.raises(BuildError, match="--overwrite"):
+        build(str(tsv), out, image_size=64, shard_size=150, workers=1)
+
+
+def test_build_and_embed_on_two_ranks(tmp_path, emoji_images):
+    """Under accelerate launch each rank takes a disjoint part; the result equals one process's."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, TEXT_MODEL
+
+    tsv = broken_tsv(tmp_path, emoji_images)
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              str(ROOT / "configs/accelerate/cpu-2proc.yaml"), "-m", "data_tools"]
+    out = tmp_path / "ranks"
+    for args in (["build", str(tsv), "--out", str(out), "--image-size", "32", "--shard-size", "200", "--workers", "1"],
+                 ["embed", str(out), "--model", TEXT_MODEL]):
+        r = subprocess.run(launch + args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[:4000] + "\n...\n" + r.stderr[-1500:]
+    single = tmp_path / "single"
+    build(str(tsv), single, image_size=32, shard_size=200, workers=1)
+    assert [c[1:] for c in shard_content(out)] == [c[1:] for c in shard_content(single)]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["embedding"]["count"] == manifest["counts"]["samples"] == 950
+    assert run_cli("data_tools", "verify", str(out), "--strict").returncode == 0
