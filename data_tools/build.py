@@ -8,8 +8,7 @@ from pathlib import Path
 
 import webdataset as wds
 
-from data_tools.writer import write_split
-from mmpretrain.data.manifest import SIZES, write_json_atomic
+from mmpretrain.data.manifest import SIZES, read_sizes, write_json_atomic
 from mmpretrain.data.shards import iter_samples
 
 DEMO_SOURCES = ("demo:openmoji",)
@@ -62,7 +61,9 @@ def write_clip_benchmark_wds(root: Path, labelled: list[dict], classnames: list[
     (root / "test" / "nshards.txt").write_text("1\n")
 
 
-def build_openmoji(out: Path, image_size: int, shard_size: int, limit: int | None, image_format: str) -> dict:
+def build_openmoji(out: Path, image_size: int, shard_size: int, limit: int | None, image_format: str,
+                   workers: int = 1) -> dict:
+    from data_tools.parallel import build_parallel
     from data_tools.sources import openmoji
 
     emoji = openmoji.list_emoji(limit)
@@ -76,20 +77,16 @@ def build_openmoji(out: Path, image_size: int, shard_size: int, limit: int | Non
         "attribution": openmoji.ATTRIBUTION,
         "options": {"image_size": image_size, "shard_size": shard_size, "limit": limit, "image_format": image_format},
     }
-    kw = dict(image_size=image_size, image_format=image_format, shard_size=shard_size)
-    res_train = write_split(
-        openmoji.samples(train, classes), out / "train", prefix="openmoji-train", manifest=dict(common, split="train"), **kw
-    )
-    res_test = write_split(
-        openmoji.samples(test, classes),
-        out / "test",
-        prefix="openmoji-test",
-        manifest=dict(common, split="test", classnames=classes),
-        **kw,
-    )
+    opts = {"image_size": image_size, "image_format": image_format, "quality": 95,
+            "max_pixels": 64_000_000, "shard_bytes": 1e9}
+    res = {}
+    for split, items, extra in (("train", train, {}), ("test", test, {"classnames": classes})):
+        res[split] = build_parallel(openmoji.OpenmojiSplit(items, classes), out / split,
+                                    prefix=f"openmoji-{split}", shard_size=shard_size, workers=workers, opts=opts,
+                                    manifest=dict(common, split=split, **extra))
     # The labelled held-out samples, again in clip_benchmark's layout (DIR is its dataset root).
     labelled = []
-    for shard in sorted(res_test.sizes):
+    for shard in sorted(read_sizes(out / "test")):
         for s in iter_samples(out / "test" / shard):
             meta = json.loads(s["json"])
             if "label" in meta:
@@ -99,11 +96,11 @@ def build_openmoji(out: Path, image_size: int, shard_size: int, limit: int | Non
                 )
     write_clip_benchmark_wds(out, labelled, classes, list(openmoji.TEMPLATES))
     summary = {
-        "train": res_train.count,
-        "test": res_test.count,
+        "train": res["train"]["samples"],
+        "test": res["test"]["samples"],
         "test_labelled": len(labelled),
         "classes": classes,
-        "skipped": {"train": dict(res_train.skipped), "test": dict(res_test.skipped)},
+        "skipped": {"train": res["train"]["skipped"], "test": res["test"]["skipped"]},
     }
     write_json_atomic(out / "manifest.json", dict(common, splits=summary))
     return summary
@@ -124,7 +121,7 @@ def build(source: str, out: str | Path, *, image_size: int, shard_size: int, lim
         if source not in DEMO_SOURCES:
             raise BuildError(f"unknown demo source {source!r}; packaged ones: {', '.join(DEMO_SOURCES)}")
         _check_out(out, overwrite)
-        return build_openmoji(out, image_size, shard_size, limit, image_format or "png")
+        return build_openmoji(out, image_size, shard_size, limit, image_format or "png", workers)
     try:
         src = open_source(source, source_type, image_column=image_column, caption_column=caption_column,
                           base_dir=base_dir, key_column=key_column, captions=captions)

@@ -169,16 +169,6 @@ def embed_shards(folder: Path, names: list[str], sizes: dict[str, int], model: s
     return total
 
 
-def _rank_world():
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        import torch
-        from accelerate import PartialState
-
-        state = PartialState(cpu=not torch.cuda.is_available())
-        return state.process_index, state.num_processes, state
-    return 0, 1, None
-
-
 def embed(path: str | Path, model: str, *, overwrite: bool = False, batch_size: int = 256,
           device: str | None = None) -> list[dict]:
     """Embed every dataset folder under ``path``; under ``accelerate launch`` each rank takes every
@@ -186,7 +176,9 @@ def embed(path: str | Path, model: str, *, overwrite: bool = False, batch_size: 
     folders = dataset_folders(path)
     for folder in folders:  # refuse before loading anything
         check_model(folder, model, overwrite)
-    rank, world, state = _rank_world()
+    from data_tools.parallel import rank_world
+
+    rank, world, state = rank_world()
     if overwrite and rank == 0:
         for folder in folders:
             for p in (folder / MARKERS).glob("*.json"):

@@ -121,11 +121,13 @@ def _duplicates(source, chunks: list, names: list[str]) -> dict[str, set[str]]:
     return per
 
 
-def _rank_world() -> tuple[int, int, Any]:
+def rank_world() -> tuple[int, int, Any]:
+    """``(rank, world size, accelerate state or None)``: ranks only under ``accelerate launch``."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import torch
         from accelerate import PartialState
 
-        state = PartialState(cpu=True)
+        state = PartialState(cpu=not torch.cuda.is_available())
         return state.process_index, state.num_processes, state
     return 0, 1, None
 
@@ -136,7 +138,7 @@ def build_parallel(source, out: str | Path, *, prefix: str, shard_size: int, wor
     (out / STATS_DIR).mkdir(parents=True, exist_ok=True)
     chunks = source.chunks(shard_size)
     names = [f"{prefix}-{k:06d}.tar" for k in range(len(chunks))]
-    rank, world, state = _rank_world()
+    rank, world, state = rank_world()
     dups = _duplicates(source, chunks, names) if isinstance(chunks[0], tuple) else {n: set() for n in names}
     tasks = [(source, chunks[k], str(out), names[k], opts, dups[names[k]])
              for k in range(len(chunks)) if k % world == rank and not chunk_done(out, names[k])]

@@ -15,13 +15,13 @@ from __future__ import annotations
 import hashlib
 import re
 import unicodedata
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-from data_tools.writer import Sample
+from data_tools.sources.files import RangeSource
+from data_tools.sources.records import Record
 
 ATTRIBUTION = (
     "All emojis designed by OpenMoji - the open-source emoji and icon project. License: CC BY-SA 4.0 "
@@ -150,14 +150,33 @@ class Renderer:
         return img
 
 
-def samples(items: list[Emoji], classes: list[str]) -> Iterator[Sample]:
-    render = Renderer()
-    for e in items:
+class OpenmojiSplit(RangeSource):
+    """One split of the demo as a build source: emoji rendered on demand in the worker."""
+
+    kind = "demo:openmoji"
+
+    def __init__(self, items: list[Emoji], classes: list[str]):
+        self.items, self.classes = items, classes
+        self._render: Renderer | None = None
+
+    def __getstate__(self):
+        return dict(self.__dict__, _render=None)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def keys(self) -> list[str]:
+        return [e.key for e in self.items]
+
+    def record(self, i: int) -> Record:
+        if self._render is None:
+            self._render = Renderer()
+        e = self.items[i]
         meta = {"source": "openmoji", "codepoints": e.key, "unicode_name": e.name}
-        if e.label is not None and e.label in classes:
-            meta["label"] = classes.index(e.label)
+        if e.label is not None and e.label in self.classes:
+            meta["label"] = self.classes.index(e.label)
             meta["label_name"] = e.label
-        yield Sample(key=e.key, image=render(e.text), caption=e.name, meta=meta)
+        return Record(e.key, image=self._render(e.text), caption=e.name, meta=meta)
 
 
 def version() -> str:
