@@ -66,6 +66,15 @@ def test_slice_train_eval_export_reload(openmoji, tmp_path):
     assert set(cls["metrics"]) == {"acc1", "acc5", "mean_per_class_recall"} == set(cls["chance"])
     assert {"image_retrieval_recall@5", "text_retrieval_recall@5"} <= set(entries[1]["metrics"])
 
+    r = run_cli("mmpretrain.eval", "--model", str(run_dir), "--dataset", str(openmoji), str(openmoji),
+                str(openmoji), "--task", "linear_probe", "knn", "clustering", "--output", str(results))
+    assert r.returncode == 0, r.stderr[-3000:]
+    probes = {e["task"]: e for e in json.loads(results.read_text())["results"][2:]}
+    assert {"lp_acc1", "lp_acc1_preproj"} <= set(probes["linear_probe"]["metrics"])
+    assert {"knn_acc1", "knn_acc1_preproj"} <= set(probes["knn"]["metrics"])
+    assert {"ari", "silhouette_mean", "silhouette_std", "ari_preproj"} <= set(probes["clustering"]["metrics"])
+    assert probes["knn"]["n"] == cls["n"]  # the labelled held-out images
+
     out = tmp_path / "export"
     r = run_cli("mmpretrain.export", str(run_dir), "--out", str(out), "--push-to-hub", "me/demo", "--dry-run")
     assert r.returncode == 0, r.stderr[-3000:]

@@ -1,5 +1,6 @@
-"""Evaluation: zero-shot classification and retrieval (more tasks follow), clip_benchmark's metric
-names, ``results.json`` with chance levels. ``Evaluator(...).run(model)`` is what a trainer calls."""
+"""Evaluation: zero-shot classification and retrieval, linear probe, k-NN and clustering, under
+clip_benchmark's metric names, ``results.json`` with chance levels. ``Evaluator(...).run(model)`` is
+what a trainer calls."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from mmpretrain.eval.zero_shot import (
     classification_metrics,
 )
 
-TASKS = ("zeroshot_classification", "zeroshot_retrieval")
+TASKS = ("zeroshot_classification", "zeroshot_retrieval", "linear_probe", "knn", "clustering")
+PROBE_TASKS = ("linear_probe", "knn", "clustering")
 
 
 def _batches(ds: EvalDataset, preprocess, batch_size: int):
@@ -76,9 +78,55 @@ def zeroshot_retrieval(model, preprocess, tokenizer, ds: EvalDataset, batch_size
             "chance": retrieval_chance(image_features.shape[0], [c for c in per_image if c > 0] or [1], recall_k)}
 
 
+def _num_classes(ds: EvalDataset, *labels: torch.Tensor) -> int:
+    return len(ds.classnames) if ds.classnames else int(max(int(y.max()) for y in labels)) + 1
+
+
+def probe(model, preprocess, ds_train: EvalDataset | None, ds_test: EvalDataset, task: str, batch_size: int,
+          device) -> dict:
+    """linear_probe / knn (train + test) or clustering (test), on projected and pre-projection features."""
+    from mmpretrain.eval.clustering import clustering_metrics
+    from mmpretrain.eval.features import image_features
+    from mmpretrain.eval.knn import knn_accuracy
+    from mmpretrain.eval.linear_probe import linear_probe
+
+    te_x, te_pre, te_y = image_features(model, preprocess, ds_test, batch_size, device)
+    if task == "clustering":
+        c = _num_classes(ds_test, te_y)
+        metrics = clustering_metrics(te_x, te_y, c)
+        chance = {"ari": 0.0}  # the expected ARI of a random partition
+        if te_pre is not None:
+            metrics.update({f"{k}_preproj": v for k, v in clustering_metrics(te_pre, te_y, c).items()})
+            chance["ari_preproj"] = 0.0
+        return {"n": len(te_y), "metrics": metrics, "chance": chance}
+    tr_x, tr_pre, tr_y = image_features(model, preprocess, ds_train, batch_size, device)
+    c = _num_classes(ds_test, te_y, tr_y)
+    chance = classification_chance(c)
+    pairs = [("", tr_x, te_x)] + ([("_preproj", tr_pre, te_pre)] if te_pre is not None else [])
+    metrics: dict[str, float] = {}
+    extra: dict[str, Any] = {"n_train": len(tr_y)}
+    for suffix, tr, te in pairs:
+        if task == "linear_probe":
+            m, best_c = linear_probe(tr, tr_y, te, te_y, c)
+            metrics.update({k + suffix: v for k, v in m.items()})
+            extra[f"C{suffix}"] = best_c
+        else:
+            metrics[f"knn_acc1{suffix}"] = knn_accuracy(tr, tr_y, te, te_y, c)
+    base = {f"lp_{k}": v for k, v in chance.items()} if task == "linear_probe" else {"knn_acc1": chance["acc1"]}
+    chance = {k + suffix: v for suffix, _, _ in pairs for k, v in base.items()}
+    return {"n": len(te_y), "metrics": metrics, "chance": chance, **extra}
+
+
 def evaluate(model, preprocess, tokenizer, dataset: str | EvalDataset, task: str, *, model_name: str = "",
              batch_size: int = 256, recall_k: list[int] | None = None, device: str = "cpu") -> dict[str, Any]:
     """One ``results.json`` entry."""
+    if task in PROBE_TASKS:
+        from mmpretrain.eval.datasets import load_splits
+
+        ds_train, ds_test = load_splits(dataset, need_train=task != "clustering")
+        model.eval()
+        res = probe(model, preprocess, ds_train, ds_test, task, batch_size, device)
+        return {"dataset": ds_test.name, "task": task, "model": model_name, **res}
     ds = load_dataset(dataset) if isinstance(dataset, str) else dataset
     model.eval()
     if task == "zeroshot_classification":

@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dataset", required=True, nargs="+",
                    help="dataset folder(s): clip_benchmark wds layout (wds:DIR) or shards (shards:DIR)")
     p.add_argument("--task", required=True, nargs="+", choices=TASKS, help="one task per dataset, or one for all")
+    p.add_argument("--templates", default=None,
+                   help="zero-shot prompts: openai_imagenet, simple_imagenet, default, or a file (one {c} per line); "
+                   "default: the dataset's own, else default")
     p.add_argument("--recall_k", type=int, nargs="+", default=[1, 5, 10])
     p.add_argument("--batch_size", type=int, default=256)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -34,14 +37,23 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from mmpretrain.eval import evaluate, format_table, merge_results
-    from mmpretrain.eval.datasets import load_dataset
+    from mmpretrain.eval import PROBE_TASKS, evaluate, format_table, merge_results
+    from mmpretrain.eval.datasets import load_dataset, load_splits
     from mmpretrain.models.factory import load_model
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        datasets = [load_dataset(d) for d in args.dataset]
+        # every dataset is checked before the model loads; probes take the spec (train and test)
+        datasets = [(load_splits(d, need_train=t != "clustering") and d) if t in PROBE_TASKS else load_dataset(d)
+                    for d, t in zip(args.dataset, tasks)]
         model, preprocess, tokenizer = load_model(args.model, device=device, pretrained=args.pretrained)
+        if args.templates:
+            from mmpretrain.eval.zero_shot import named_templates
+
+            templates = named_templates(args.templates)
+            for ds in datasets:
+                if hasattr(ds, "templates"):
+                    ds.templates = templates
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,8 +1,11 @@
-"""Evaluation datasets: clip_benchmark's offline ``wds`` layout and this project's own shards.
+"""Evaluation datasets: clip_benchmark's offline ``wds`` layout, this project's shards, image folders
+(one subfolder per class) and Hugging Face datasets.
 
-``SPEC`` is a folder: one with ``classnames.txt`` and ``test/nshards.txt`` is read as clip_benchmark's
-layout (``wds:DIR`` forces it); one with ``sizes.json`` as our shards (``shards:DIR`` forces it), with
-captions from ``txt`` and labels from ``json`` (``label``), class names from the manifest.
+``SPEC``: a folder with ``classnames.txt`` and ``test/nshards.txt`` is clip_benchmark's layout
+(``wds:DIR`` forces it); one with ``sizes.json`` our shards (``shards:DIR``), with captions from
+``txt``, labels from ``json`` (``label``) and class names from the manifest; a ``save_to_disk`` folder
+or ``hf:NAME[:SPLIT]`` a Hugging Face dataset; any other folder of class subfolders an image folder
+(``folder:DIR``).
 """
 
 from __future__ import annotations
@@ -33,9 +36,23 @@ class EvalDataset:
     shards: list[Path]
     classnames: list[str] | None
     templates: list[str] | None
-    layout: str  # "wds" or "shards"
+    layout: str  # "wds", "shards", "folder" (files: (path, label)) or "hf"
+    files: list[tuple[Path, int]] | None = None
+    hf: object = None  # (datasets.Dataset, image column, label column or None, caption column or None)
 
     def __iter__(self) -> Iterator[EvalSample]:
+        if self.layout == "folder":
+            for path, label in self.files:
+                yield EvalSample(path.stem, Image.open(path).convert("RGB"), [], label)
+            return
+        if self.layout == "hf":
+            ds, image_col, label_col, caption_col = self.hf
+            for i, row in enumerate(ds):
+                caps = row[caption_col] if caption_col else []
+                caps = [caps] if isinstance(caps, str) else list(caps)
+                yield EvalSample(str(i), row[image_col].convert("RGB"), caps,
+                                 int(row[label_col]) if label_col else None)
+            return
         for shard in self.shards:
             for raw in iter_samples(shard):
                 ext = next((e for e in IMAGE_EXTS if e in raw), None)
@@ -57,17 +74,66 @@ def _read_lines(p: Path) -> list[str]:
     return [line.strip() for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+
+
+def _image_folder(root: Path, name: str | None) -> EvalDataset:
+    """One subfolder per class (sorted names are the class names)."""
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
+    files = [(f, i) for i, c in enumerate(classes) for f in sorted((root / c).rglob("*"))
+             if f.suffix.lower() in IMAGE_SUFFIXES]
+    if not files:
+        raise FileNotFoundError(f"--dataset {root}: no images in class subfolders")
+    return EvalDataset(name or root.resolve().name, [], [c.replace("_", " ") for c in classes], None, "folder",
+                       files=files)
+
+
+def _hf_dataset(spec: str, name: str | None) -> EvalDataset:
+    """``hf:NAME[:SPLIT]`` (offline only when cached) or a ``save_to_disk`` folder; image column
+    ``image``/``img``, labels from ``label``/``labels`` (class names from the feature), captions from
+    ``text``/``caption``/``captions``."""
+    import datasets
+
+    if spec.startswith("hf:"):
+        hub, _, split = spec[3:].partition(":")
+        ds = datasets.load_dataset(hub, split=split or "test")
+        default = f"{hub.replace('/', '_')}-{split or 'test'}"
+    else:
+        ds = datasets.load_from_disk(spec)
+        default = Path(spec).resolve().name
+    cols = ds.column_names
+    image_col = next((c for c in ("image", "img") if c in cols), None)
+    if image_col is None:
+        raise FileNotFoundError(f"--dataset {spec}: no image column (image or img) among {cols}")
+    label_col = next((c for c in ("label", "labels") if c in cols), None)
+    caption_col = next((c for c in ("text", "caption", "captions") if c in cols), None)
+    classnames = None
+    if label_col and isinstance(ds.features[label_col], datasets.ClassLabel):
+        classnames = [c.replace("_", " ") for c in ds.features[label_col].names]
+    return EvalDataset(name or default, [], classnames, None, "hf", hf=(ds, image_col, label_col, caption_col))
+
+
 def load_dataset(spec: str, name: str | None = None) -> EvalDataset:
+    if spec.startswith("hf:"):
+        return _hf_dataset(spec, name)
     kind = None
-    for prefix in ("wds:", "shards:"):
+    for prefix in ("wds:", "shards:", "folder:"):
         if spec.startswith(prefix):
             kind, spec = prefix[:-1], spec[len(prefix):]
     root = Path(spec)
     if not root.is_dir():
         raise FileNotFoundError(f"--dataset {spec}: no such folder")
     if kind is None:
-        kind = "wds" if (root / "classnames.txt").is_file() and (root / "test" / "nshards.txt").is_file() else (
-            "shards" if (root / "sizes.json").is_file() else None)
+        if (root / "classnames.txt").is_file() and (root / "test" / "nshards.txt").is_file():
+            kind = "wds"
+        elif (root / "sizes.json").is_file():
+            kind = "shards"
+        elif (root / "dataset_info.json").is_file() or (root / "state.json").is_file():
+            return _hf_dataset(str(root), name)
+        elif any(p.is_dir() for p in root.iterdir()):
+            kind = "folder"
+    if kind == "folder":
+        return _image_folder(root, name)
     if kind == "wds":
         n = int((root / "test" / "nshards.txt").read_text().strip())
         templates_file = root / "zeroshot_classification_templates.txt"
@@ -88,6 +154,29 @@ def load_dataset(spec: str, name: str | None = None) -> EvalDataset:
             layout="shards",
         )
     raise FileNotFoundError(
-        f"--dataset {spec}: neither clip_benchmark's wds layout (classnames.txt + test/nshards.txt) nor a "
-        "shard folder (sizes.json)"
+        f"--dataset {spec}: neither clip_benchmark's wds layout (classnames.txt + test/nshards.txt), a "
+        "shard folder (sizes.json), a saved HF dataset, nor an image folder with one subfolder per class"
     )
+
+
+def load_splits(spec: str, need_train: bool = True) -> tuple[EvalDataset | None, EvalDataset]:
+    """``(train, test)`` for probes: a folder with ``train/`` and ``test/`` shard folders (as
+    ``data_tools build`` writes them), or clip_benchmark's layout with ``train/`` and ``test/`` tars.
+    Clustering needs only a test split: any dataset ``load_dataset`` reads works."""
+    root = Path(spec.split(":", 1)[1] if spec.startswith(("wds:", "shards:")) else spec)
+    if (root / "train" / "sizes.json").is_file() and (root / "test" / "sizes.json").is_file():
+        name = f"{root.resolve().name}-test"
+        return (load_dataset(str(root / "train"), name=f"{root.resolve().name}-train") if need_train else None,
+                load_dataset(str(root / "test"), name=name))
+    if (root / "train" / "nshards.txt").is_file() and (root / "test" / "nshards.txt").is_file():
+        test = load_dataset("wds:" + str(root))
+        n = int((root / "train" / "nshards.txt").read_text().strip())
+        train = EvalDataset(f"{root.resolve().name}-train", [root / "train" / f"{i}.tar" for i in range(n)],
+                            test.classnames, test.templates, "wds")
+        return (train if need_train else None), test
+    if need_train:
+        raise FileNotFoundError(
+            f"--dataset {spec}: linear_probe and knn need a training split: a folder with train/ and test/ "
+            "shard folders (data_tools build writes them) or clip_benchmark's layout with train/ and test/"
+        )
+    return None, load_dataset(spec)

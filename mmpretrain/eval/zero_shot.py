@@ -10,6 +10,28 @@ import torch.nn.functional as F
 DEFAULT_TEMPLATES = ("a photo of a {c}.", "a {c}.", "an image of a {c}.")
 
 
+def named_templates(spec: str) -> list[str]:
+    """``openai_imagenet`` (CLIP's 80 ImageNet prompts), ``simple_imagenet`` (open_clip's short set, as
+    open_clip ships them), ``default``, or a file with one ``{c}`` template per line."""
+    from pathlib import Path
+
+    from open_clip import zero_shot_metadata as meta
+
+    if spec == "openai_imagenet":
+        return [t("{c}") for t in meta.OPENAI_IMAGENET_TEMPLATES]
+    if spec == "simple_imagenet":
+        return [t("{c}") for t in meta.SIMPLE_IMAGENET_TEMPLATES]
+    if spec == "default":
+        return list(DEFAULT_TEMPLATES)
+    p = Path(spec)
+    if not p.is_file():
+        raise FileNotFoundError(f"--templates {spec}: not openai_imagenet, simple_imagenet, default or a file")
+    lines = [line.strip() for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not lines or any("{c}" not in t for t in lines):
+        raise ValueError(f"--templates {spec}: every line needs a {{c}} placeholder")
+    return lines
+
+
 @torch.no_grad()
 def build_classifier(model, tokenizer, classnames: list[str], templates: list[str], device) -> torch.Tensor:
     """``(D, C)``: the mean normalised text embedding of each class over the templates, renormalised."""

@@ -1,0 +1,20 @@
+"""Clustering measures ("Clustering Properties of Self-Supervised Learning", ICML 2025): k-means with
+k = number of classes on the features -> adjusted Rand index against the labels; silhouette of the
+true labels (cosine distance): mean and standard deviation over samples."""
+
+from __future__ import annotations
+
+import torch
+
+
+def clustering_metrics(x: torch.Tensor, y: torch.Tensor, num_classes: int, seed: int = 0) -> dict[str, float]:
+    from sklearn.cluster import KMeans
+    from sklearn.metrics import adjusted_rand_score, silhouette_samples
+
+    xn, yn = x.numpy(), y.numpy()
+    pred = KMeans(n_clusters=num_classes, n_init=10, random_state=seed).fit_predict(xn)
+    out = {"ari": float(adjusted_rand_score(yn, pred))}
+    if len(set(yn.tolist())) > 1:
+        s = silhouette_samples(xn, yn, metric="cosine")
+        out.update(silhouette_mean=float(s.mean()), silhouette_std=float(s.std()))
+    return out

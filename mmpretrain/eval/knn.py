@@ -1,0 +1,17 @@
+"""Weighted k-NN on frozen, L2-normalised features (cosine similarity), as in DINO's evaluation:
+each of the k nearest training samples votes for its class with weight ``exp(sim / T)``, T = 0.07."""
+
+from __future__ import annotations
+
+import torch
+
+
+def knn_accuracy(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor,
+                 num_classes: int, k: int = 20, temperature: float = 0.07) -> float:
+    """``train_x (N, D)``, ``test_x (M, D)`` normalised; returns top-1 accuracy."""
+    k = min(k, train_x.shape[0])
+    sim = test_x @ train_x.T
+    top, idx = sim.topk(k, dim=1)
+    votes = torch.zeros(test_x.shape[0], num_classes)
+    votes.scatter_add_(1, train_y[idx], (top / temperature).exp())
+    return (votes.argmax(1) == test_y).float().mean().item()
