@@ -139,7 +139,8 @@ def build_parallel(source, out: str | Path, *, prefix: str, shard_size: int, wor
     chunks = source.chunks(shard_size)
     names = [f"{prefix}-{k:06d}.tar" for k in range(len(chunks))]
     rank, world, state = rank_world()
-    dups = _duplicates(source, chunks, names) if isinstance(chunks[0], tuple) else {n: set() for n in names}
+    dups = (_duplicates(source, chunks, names) if chunks and isinstance(chunks[0], tuple)
+            else {n: set() for n in names})
     tasks = [(source, chunks[k], str(out), names[k], opts, dups[names[k]])
              for k in range(len(chunks)) if k % world == rank and not chunk_done(out, names[k])]
     mine = {t[3][: -len(".tar")] for t in tasks}

@@ -36,7 +36,8 @@ def _card(run_dir: Path, model_cfg: dict, repo_id: str | None) -> str:
     front = {
         "library_name": "open_clip",
         "pipeline_tag": "zero-shot-image-classification",
-        "license": "apache-2.0",
+        # weights trained on share-alike data (the OpenMoji demo) carry its licence; otherwise the code's
+        "license": "cc-by-sa-4.0" if "openmoji" in json.dumps(cfg) else "apache-2.0",
         "tags": ["clip", "open_clip", "mmpretrain", "contrastive-learning"],
     }
     datasets = sorted({r["dataset"] for r in results.get("results", [])})
