@@ -3,12 +3,16 @@
 MODEL: a run folder (latest checkpoint), an export folder, ``local-dir:DIR``, ``hf-hub:ID``, or an
 open_clip architecture name with ``--pretrained``. Prints a table (each metric beside its chance
 level) and, with ``--output``, adds the entries to a ``results.json``. Exit: 0 ok, 1 failed, 2 bad arguments.
+
+Under ``accelerate launch`` the images are split across the processes and gathered (results equal one
+process's); the main process prints and writes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from mmpretrain.eval import TASKS
@@ -27,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
                    "default: the dataset's own, else default")
     p.add_argument("--recall_k", type=int, nargs="+", default=[1, 5, 10])
     p.add_argument("--batch_size", type=int, default=256)
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--num_workers", type=int, default=2, help="DataLoader workers decoding and preprocessing")
+    p.add_argument("--device", default=None, help="default: this process's accelerator device, else cpu")
     p.add_argument("--output", default=None, help="results.json to create or add to")
     args = p.parse_args(argv)
     if len(args.task) not in (1, len(args.dataset)):
@@ -41,7 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     from mmpretrain.eval.datasets import load_dataset, load_splits
     from mmpretrain.models.factory import load_model
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    state = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # launched by accelerate / torchrun
+        from accelerate import PartialState
+
+        state = PartialState(cpu=not torch.cuda.is_available())
+    device = args.device or (str(state.device) if state else ("cuda" if torch.cuda.is_available() else "cpu"))
+    main_process = state is None or state.is_main_process
     try:
         # every dataset is checked before the model loads; probes take the spec (train and test)
         datasets = [(load_splits(d, need_train=t != "clustering") and d) if t in PROBE_TASKS else load_dataset(d)
@@ -57,9 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    entries = [evaluate(model, preprocess, tokenizer, ds, task, model_name=args.model,
-                        batch_size=args.batch_size, recall_k=args.recall_k, device=device)
+    entries = [evaluate(model, preprocess, tokenizer, ds, task, model_name=args.model, batch_size=args.batch_size,
+                        recall_k=args.recall_k, device=device, num_workers=args.num_workers)
                for ds, task in zip(datasets, tasks)]
+    if not main_process:
+        return 0
     print(format_table(entries))
     if args.output:
         merge_results(args.output, entries)

@@ -1,7 +1,7 @@
 """Evaluation datasets: clip_benchmark's offline ``wds`` layout, this project's shards, image folders
 (one subfolder per class) and Hugging Face datasets.
 
-``SPEC``: a folder with ``classnames.txt`` and ``test/nshards.txt`` is clip_benchmark's layout
+``SPEC``: a folder with ``test/nshards.txt`` (and ``classnames.txt`` for classification) is clip_benchmark's layout
 (``wds:DIR`` forces it); one with ``sizes.json`` our shards (``shards:DIR``), with captions from
 ``txt``, labels from ``json`` (``label``) and class names from the manifest; a ``save_to_disk`` folder
 or ``hf:NAME[:SPLIT]`` a Hugging Face dataset; any other folder of class subfolders an image folder
@@ -41,33 +41,61 @@ class EvalDataset:
     hf: object = None  # (datasets.Dataset, image column, label column or None, caption column or None)
 
     def __iter__(self) -> Iterator[EvalSample]:
+        for _, s in self.indexed():
+            yield s
+
+    def num_samples(self) -> int | None:
         if self.layout == "folder":
-            for path, label in self.files:
-                yield EvalSample(path.stem, Image.open(path).convert("RGB"), [], label)
+            return len(self.files)
+        if self.layout == "hf":
+            return len(self.hf[0])
+        if self.layout == "shards":
+            root = self.shards[0].parent if self.shards else None
+            return sum(read_sizes(root).values()) if root else 0
+        return None  # clip_benchmark's layout does not record sample counts
+
+    def indexed(self, rank: int = 0, world: int = 1, part: int = 0, parts: int = 1) -> Iterator[tuple[int, EvalSample]]:
+        """``(i, sample)`` for the samples with ``i % world == rank`` and ``(i // world) % parts == part``
+        (a rank's share split among its workers); other samples are not decoded."""
+
+        def mine(i: int) -> bool:
+            return i % world == rank and (i // world) % parts == part
+
+        if self.layout == "folder":
+            for i, (path, label) in enumerate(self.files):
+                if mine(i):
+                    yield i, EvalSample(path.stem, Image.open(path).convert("RGB"), [], label)
             return
         if self.layout == "hf":
             ds, image_col, label_col, caption_col = self.hf
-            for i, row in enumerate(ds):
+            for i in range(len(ds)):
+                if not mine(i):
+                    continue
+                row = ds[i]
                 caps = row[caption_col] if caption_col else []
                 caps = [caps] if isinstance(caps, str) else list(caps)
-                yield EvalSample(str(i), row[image_col].convert("RGB"), caps,
-                                 int(row[label_col]) if label_col else None)
+                yield i, EvalSample(str(i), row[image_col].convert("RGB"), caps,
+                                    int(row[label_col]) if label_col else None)
             return
+        i = -1
         for shard in self.shards:
             for raw in iter_samples(shard):
                 ext = next((e for e in IMAGE_EXTS if e in raw), None)
                 if ext is None:
                     continue
+                i += 1
+                if not mine(i):
+                    continue
                 image = Image.open(io.BytesIO(raw[ext])).convert("RGB")
                 captions = []
                 if "txt" in raw:
-                    captions = [c for c in raw["txt"].decode("utf-8").split("\n") if c.strip()]
+                    captions = [c for c in raw["txt"].decode("utf-8").splitlines() if c.strip()]
                 label = None
                 if "cls" in raw:
                     label = int(raw["cls"].decode().strip())
                 elif "json" in raw:
                     label = json.loads(raw["json"]).get("label")
-                yield EvalSample(raw["__key__"], image, captions, label)
+                yield i, EvalSample(raw["__key__"], image, captions, label)
 
 
 def _read_lines(p: Path) -> list[str]:
@@ -124,7 +152,7 @@ def load_dataset(spec: str, name: str | None = None) -> EvalDataset:
     if not root.is_dir():
         raise FileNotFoundError(f"--dataset {spec}: no such folder")
     if kind is None:
-        if (root / "classnames.txt").is_file() and (root / "test" / "nshards.txt").is_file():
+        if (root / "test" / "nshards.txt").is_file():
             kind = "wds"
         elif (root / "sizes.json").is_file():
             kind = "shards"
@@ -140,7 +168,7 @@ def load_dataset(spec: str, name: str | None = None) -> EvalDataset:
         return EvalDataset(
             name=name or f"{root.resolve().name}-test",
             shards=[root / "test" / f"{i}.tar" for i in range(n)],
-            classnames=_read_lines(root / "classnames.txt"),
+            classnames=_read_lines(root / "classnames.txt") if (root / "classnames.txt").is_file() else None,
             templates=_read_lines(templates_file) if templates_file.is_file() else None,
             layout="wds",
         )
@@ -154,7 +182,7 @@ def load_dataset(spec: str, name: str | None = None) -> EvalDataset:
             layout="shards",
         )
     raise FileNotFoundError(
-        f"--dataset {spec}: neither clip_benchmark's wds layout (classnames.txt + test/nshards.txt), a "
+        f"--dataset {spec}: neither clip_benchmark's wds layout (test/nshards.txt), a "
         "shard folder (sizes.json), a saved HF dataset, nor an image folder with one subfolder per class"
     )
 
