@@ -12,14 +12,17 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mmpretrain.models.factory import latest_checkpoint
 
-__all__ = ["save_checkpoint", "latest_checkpoint", "read_train_state"]
+if TYPE_CHECKING:
+    from mmpretrain.config import ExperimentConfig
+
+__all__ = ["save_checkpoint", "latest_checkpoint", "read_train_state", "resume_point"]
 
 
-def save_checkpoint(accelerator, run_dir: Path, step: int, train_state: dict[str, Any]) -> Path:
+def save_checkpoint(accelerator, run_dir: Path, step: int, train_state: dict[str, Any], keep_last: int | None = None) -> Path:
     final = Path(run_dir) / "checkpoints" / f"step_{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
     if accelerator.is_main_process:
@@ -31,9 +34,58 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, train_state: dict[str
         (tmp / "train_state.json").write_text(json.dumps(state, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        if keep_last:
+            done = sorted((p for p in final.parent.iterdir() if p.name.startswith("step_") and
+                           not p.name.endswith(".tmp") and (p / "train_state.json").is_file()),
+                          key=lambda p: p.name)
+            for old in done[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
 
 
 def read_train_state(ckpt: Path) -> dict[str, Any]:
     return json.loads((Path(ckpt) / "train_state.json").read_text())
+
+
+_RESUME_MAY_CHANGE = {"resume", "run_dir", "name", "train.steps", "train.epochs", "train.progress", "train.log_every",
+                      "train.save_every", "train.keep_last", "train.nonfinite", "train.max_skipped_steps"}
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def resume_point(cfg: ExperimentConfig, run_dir: Path) -> tuple[Path | None, dict[str, Any] | None]:
+    """The checkpoint to resume from (``resume=PATH``, else the run folder's latest) and its train state;
+    a config that changes what the checkpoint was trained with is refused, naming the keys."""
+    from mmpretrain.config import ConfigError
+
+    ckpt = None
+    if cfg.resume:
+        p = Path(cfg.resume)
+        ckpt = p if (p / "train_state.json").is_file() else latest_checkpoint(p)
+        if ckpt is None:
+            raise ConfigError(f"resume={cfg.resume}: neither a checkpoint folder (with train_state.json) nor a run "
+                              "folder holding one")
+    else:
+        ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return None, None
+    saved = read_train_state(ckpt)
+    if "loader" not in saved or "config" not in saved:
+        raise ConfigError(f"{ckpt} predates resumable checkpoints (no loader position); start a new run_dir "
+                          f"with model.pretrained={ckpt}")
+    old, new = _flat(saved["config"]), _flat(cfg.model_dump(mode="json"))
+    diff = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in _RESUME_MAY_CHANGE)
+    if diff:
+        what = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:8])
+        raise ConfigError(f"resuming {ckpt} with a different config ({what}). Use the saved config "
+                          f"({run_dir / 'config.yaml'}) or a new run_dir")
+    return ckpt, saved

@@ -26,11 +26,28 @@ class _Strict(BaseModel):
 
 
 class DataConfig(_Strict):
-    train: str = Field(description="dataset folder with sizes.json (as `data_tools build` writes), or shard urls")
-    num_samples: int | None = Field(None, gt=0, description="samples per epoch; default: the total in sizes.json")
+    train: str = Field(description="dataset folder(s) with sizes.json (as `data_tools build` writes) or shard url "
+                       "patterns, several joined by '::' (see mmpretrain/data/sources.py)")
+    mode: Literal["epoch", "resampled"] = Field(
+        "epoch", description="epoch: every sample once per epoch; resampled: shards drawn with replacement by "
+        "data.weights, an epoch is data.num_samples samples")
+    weights: list[float] | None = Field(None, description="resampled mode: one sampling weight per '::' source")
+    num_samples: int | None = Field(None, gt=0, description="resampled mode: samples per epoch (default: the "
+                                    "dataset's size); epoch mode: leave unset, an epoch is the whole dataset")
     batch_size: int = Field(128, gt=0, description="per-rank batch size")
     num_workers: int = Field(2, ge=0)
-    shuffle_buffer: int = Field(1000, ge=0, description="sample shuffle buffer per worker (0 = no sample shuffle)")
+    shuffle_buffer: int = Field(1000, ge=0, description="samples per shuffle block of each reader (0 or 1 = none)")
+
+    @model_validator(mode="after")
+    def _mode_options(self):
+        if self.mode == "epoch" and self.num_samples is not None:
+            raise ValueError("data.num_samples is a resampled-mode budget; in data.mode=epoch an epoch is every "
+                             "sample once: remove data.num_samples or set data.mode=resampled")
+        if self.mode == "epoch" and self.weights is not None and any(w != 1 for w in self.weights):
+            raise ValueError("data.weights need data.mode=resampled (epoch mode reads every sample once)")
+        if self.weights is not None and (not self.weights or any(w <= 0 for w in self.weights)):
+            raise ValueError("data.weights must be positive, one per '::' source of data.train")
+        return self
 
 
 class ModelConfig(_Strict):
@@ -101,6 +118,10 @@ class TrainConfig(_Strict):
     save_every: int | None = Field(None, gt=0, description="checkpoint every K steps (always one at the end)")
     max_logit_scale: float = Field(100.0, gt=1.0, description="the scale is clamped to ln(this) after each step")
     progress: bool = True
+    keep_last: int = Field(3, gt=0, description="checkpoints kept in run_dir/checkpoints (older ones removed)")
+    nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="a non-finite loss: stop (exit 1, no checkpoint of the bad state) or skip the step")
+    max_skipped_steps: int = Field(10, ge=0, description="with nonfinite=skip: stop after this many skipped steps")
 
     @model_validator(mode="after")
     def _duration(self) -> TrainConfig:
@@ -112,6 +133,8 @@ class TrainConfig(_Strict):
 class ExperimentConfig(_Strict):
     name: str = "run"
     run_dir: str | None = Field(None, description="default: runs/<name>")
+    resume: str | None = Field(None, description="a checkpoint folder (or run folder: its latest) to resume from; "
+                               "a run_dir that already holds checkpoints resumes from its latest by itself")
     seed: int = 0
     data: DataConfig
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -225,16 +248,9 @@ def to_yaml(cfg: ExperimentConfig, extra: dict[str, Any] | None = None) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
 
-def resolve_schedule(cfg: ExperimentConfig, dataset_samples: int, world_size: int) -> dict[str, int]:
-    """Convert durations to steps once: total steps, warm-up steps and samples per epoch."""
-    num_samples = cfg.data.num_samples or dataset_samples
+def resolve_schedule(cfg: ExperimentConfig, steps_per_epoch: int, num_samples: int, world_size: int) -> dict[str, int]:
+    """Convert durations to steps once, from the stream's steps per epoch (see mmpretrain/data/stream.py)."""
     global_batch = cfg.data.batch_size * world_size
-    steps_per_epoch = num_samples // global_batch
-    if steps_per_epoch == 0:
-        raise ConfigError(
-            f"data.batch_size={cfg.data.batch_size} x {world_size} rank(s) = {global_batch} exceeds the "
-            f"{num_samples} samples per epoch; lower data.batch_size"
-        )
     if cfg.train.steps is not None:
         total = cfg.train.steps
     else:

@@ -37,6 +37,8 @@ class Run:
     step: int = 0
     samples: int = 0
     skipped: Counter = field(default_factory=Counter)
+    position: Any = None  # data.stream.StreamPosition of this rank
+    nonfinite_steps: int = 0
 
 
 def setup(cfg: ExperimentConfig) -> Run:
@@ -44,12 +46,14 @@ def setup(cfg: ExperimentConfig) -> Run:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from mmpretrain.data.shards import (
+    from mmpretrain.data.sources import resolve_sources
+    from mmpretrain.data.stream import (
         SampleDecoder,
-        ShardStream,
+        StreamPlan,
+        StreamPosition,
+        TrainStream,
         check_shard_count,
         make_loader,
-        resolve_shards,
     )
     from mmpretrain.losses import NEEDS_TARGETS, build_objective
     from mmpretrain.models import factory
@@ -62,26 +66,29 @@ def setup(cfg: ExperimentConfig) -> Run:
     acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.train.precision)
     rank, world = acc.process_index, acc.num_processes
     run_dir = cfg.resolved_run_dir
-    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
-        raise ConfigError(f"{run_dir} already holds checkpoints; choose another run_dir (or name) or remove it")
+    from mmpretrain.checkpoint import resume_point
+
+    ckpt, saved = resume_point(cfg, run_dir)
     try:
-        urls, total = resolve_shards(cfg.data.train)
+        sources = resolve_sources(cfg.data.train, cfg.data.weights)
+        urls = [u for src in sources for u in src.urls]
         check_shard_count(len(urls), world, cfg.data.num_workers)
+        total = sum(src.num_samples for src in sources)
+        plan = StreamPlan(sources, cfg.data.mode, cfg.seed, world, max(1, cfg.data.num_workers), cfg.data.batch_size,
+                          cfg.data.num_samples or total, cfg.data.shuffle_buffer)
         model_cfg = factory.resolve_model_cfg(cfg.model.arch, cfg.model.text_model, cfg.model.overrides)
         if cfg.model.text_from_targets:
             factory.check_text_from_targets(model_cfg, cfg.targets.model)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None
-    if total is None and cfg.data.num_samples is None:
-        raise ConfigError("data.train is a url list without sizes.json: set data.num_samples")
-    sched = resolve_schedule(cfg, total or 0, world)
+    sched = resolve_schedule(cfg, plan.steps_per_epoch, plan.num_samples, world)
     try:
         objective = build_objective([t.model_dump() for t in cfg.loss], rank=rank, world_size=world,
                                     dataset_size=sched["num_samples"])
     except ValueError as e:
         raise ConfigError(str(e)) from None
     needs_targets = cfg.model.text_from_targets or any(t.name in NEEDS_TARGETS for t in cfg.loss)
-    plan = target_plan(cfg, urls, needs_targets)
+    targets = target_plan(cfg, urls, needs_targets)
 
     set_seed(cfg.seed)
     model_cfg = factory.with_logit_init(model_cfg, objective.init_logit_scale, objective.init_logit_bias)
@@ -94,27 +101,54 @@ def setup(cfg: ExperimentConfig) -> Run:
 
     decoder = SampleDecoder(
         image_transform_v2(PreprocessCfg(**preprocess_cfg), is_train=True),
-        tokenizer=None if cfg.model.text_from_targets else factory.make_tokenizer(model_cfg),
-        embeddings={"shards": "require", "online": "ignore", "none": "ignore"}[plan],
+        embeddings={"shards": "require", "online": "ignore", "none": "ignore"}[targets],
+        draft_size=max(preprocess_cfg["size"]) if isinstance(preprocess_cfg["size"], (list, tuple))
+        else preprocess_cfg["size"],
     )
-    stream = ShardStream(urls, decoder, batch_size=cfg.data.batch_size, seed=cfg.seed,
-                         shuffle_buffer=cfg.data.shuffle_buffer, rank=rank, world_size=world)
+    position = StreamPosition(plan)
+    if saved is not None:
+        if len(saved["loader"]) != world:
+            raise ConfigError(f"{ckpt} was written by {len(saved['loader'])} process(es), this run has {world}: an "
+                              "exact resume needs the same number (or start anew with model.pretrained=CHECKPOINT)")
+        try:
+            position.load(saved["loader"][rank])
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    stream = TrainStream(plan, decoder, rank, start=position.state() if saved is not None else None,
+                         tokenizer=None if cfg.model.text_from_targets else factory.make_tokenizer(model_cfg))
     loader = make_loader(stream, cfg.data.num_workers, pin_memory=acc.device.type == "cuda")
     opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
                             betas=cfg.optim.betas, eps=cfg.optim.eps)
     model, opt = acc.prepare(model, opt)
-    target_encoder = load_target_encoder(cfg.targets.model, str(acc.device)) if plan == "online" else None
+    target_encoder = load_target_encoder(cfg.targets.model, str(acc.device)) if targets == "online" else None
 
+    records: list[dict[str, Any]] = []
+    if saved is not None:
+        acc.load_state(str(ckpt))  # model (safetensors), optimizer and RNG states (torch.load weights_only)
+        log_path = run_dir / "log.jsonl"
+        if log_path.is_file():  # records after the checkpoint belong to the interrupted attempt
+            records = [r for r in map(json.loads, log_path.read_text().splitlines()) if r["step"] <= saved["step"]]
+    acc.wait_for_everyone()
     if acc.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg, dict(sched, targets=plan)))
+        (run_dir / "config.yaml").write_text(to_yaml(cfg, dict(sched, targets=targets, readers_per_rank=plan.workers,
+                                                              dropped_per_epoch=plan.dropped_per_epoch)))
         (run_dir / "model_config.json").write_text(
             json.dumps({"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg}, indent=2))
         (run_dir / "provenance.json").write_text(json.dumps(provenance({"world_size": world}), indent=2))
-        (run_dir / "log.jsonl").unlink(missing_ok=True)
+        (run_dir / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     acc.wait_for_everyone()
-    return Run(cfg, acc, model, objective, opt, loader, sched, run_dir, target_encoder,
-               JsonlLog(run_dir / "log.jsonl") if acc.is_main_process else None)
+    run = Run(cfg, acc, model, objective, opt, loader, sched, run_dir, target_encoder,
+              JsonlLog(run_dir / "log.jsonl") if acc.is_main_process else None, position=position)
+    if saved is not None:
+        run.step, run.samples = saved["step"], saved["samples"]
+        run.nonfinite_steps = saved.get("nonfinite_steps", 0)
+        if acc.is_main_process:  # the saved counts are sums over ranks
+            run.skipped.update(saved["skipped"])
+            run.log.records = records
+        print(f"resumed from {ckpt} at step {run.step}", file=sys.stderr) if acc.is_main_process else None
+    return run
+
 
 
 def train_step(run: Run, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -138,9 +172,22 @@ def train_step(run: Run, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         feats = run.model(images, tokens=tokens, target_embeddings=targets)
         out = run.objective(**feats, target_embeddings=targets)
     total = sum(v for k, v in out.items() if k.endswith("_loss"))
-    if not torch.isfinite(total.detach()):
-        raise FloatingPointError(f"non-finite loss at step {run.step}: " +
-                                 ", ".join(f"{k}={float(v):.4g}" for k, v in out.items() if k.endswith('_loss')))
+    bad = (~torch.isfinite(total.detach())).float().reshape(1)
+    if acc.num_processes > 1:  # every rank takes the same decision
+        bad = acc.reduce(bad.to(acc.device), reduction="sum")
+    if bad.item():
+        terms = ", ".join(f"{k}={float(v.detach()):.4g}" for k, v in out.items()
+                          if k.endswith(("_loss", "_unweighted")))
+        run.nonfinite_steps += 1
+        if cfg.train.nonfinite == "stop" or run.nonfinite_steps > cfg.train.max_skipped_steps:
+            raise FloatingPointError(f"non-finite loss at step {run.step} ({terms}); the last checkpoint holds the "
+                                     "state before it (train.nonfinite=skip skips such steps)")
+        print(f"warning: non-finite loss at step {run.step} ({terms}): step skipped "
+              f"({run.nonfinite_steps}/{cfg.train.max_skipped_steps})", file=sys.stderr)
+        run.optimizer.zero_grad(set_to_none=True)
+        out = {k: torch.zeros(()) if k.endswith(("_loss", "_unweighted")) else v for k, v in out.items()}
+        out["loss"], out["lr"] = torch.zeros(()), torch.tensor(lr)
+        return out
     acc.backward(total)
     if cfg.optim.grad_clip_norm is not None:
         acc.clip_grad_norm_(run.model.parameters(), cfg.optim.grad_clip_norm)
@@ -162,8 +209,19 @@ def _log_record(run: Run, out: dict[str, torch.Tensor], since: float, steps: int
     rec.update({k: float(v) for k, v in zip(keys, vals.tolist())})
     rec["logit_scale"] = float(acc.unwrap_model(run.model).clip.logit_scale.detach().exp())
     rec["samples_per_s"] = steps * run.schedule["global_batch_size"] / max(time.time() - since, 1e-9)
-    rec["skipped"] = dict(run.skipped)
+    rec["skipped"] = _all_ranks_skipped(run)
+    rec["nonfinite_steps"] = run.nonfinite_steps
     return rec
+
+
+def _all_ranks_skipped(run: Run) -> dict[str, int]:
+    """Bad and dropped samples by reason, summed over ranks."""
+    from accelerate.utils import gather_object
+
+    total: Counter = Counter()
+    for counts in gather_object([dict(run.skipped)]) if run.accelerator.num_processes > 1 else [run.skipped]:
+        total.update(counts)
+    return dict(sorted(total.items()))
 
 
 def fit(run: Run) -> dict[str, Any]:
@@ -181,6 +239,7 @@ def fit(run: Run) -> dict[str, Any]:
     while run.step < total_steps:
         batch = next(it)
         run.skipped.update(batch["skipped"])
+        run.position.advance(batch)
         out = train_step(run, batch)
         run.step += 1
         run.samples += run.schedule["global_batch_size"]
@@ -193,9 +252,9 @@ def fit(run: Run) -> dict[str, Any]:
             if run.log is not None:
                 run.log.write(rec)
         if cfg.train.save_every and run.step % cfg.train.save_every == 0 and run.step < total_steps:
-            save_checkpoint(acc, run.run_dir, run.step, _train_state(run))
+            save_checkpoint(acc, run.run_dir, run.step, _train_state(run), cfg.train.keep_last)
     bar.close()
-    ckpt = save_checkpoint(acc, run.run_dir, run.step, _train_state(run))
+    ckpt = save_checkpoint(acc, run.run_dir, run.step, _train_state(run), cfg.train.keep_last)
     if run.log is not None:
         plot_losses(run.log.records, run.run_dir / "plots")
     summary = {"steps": run.step, "samples": run.samples, "seconds": round(time.time() - t0, 1),
@@ -206,8 +265,15 @@ def fit(run: Run) -> dict[str, Any]:
 
 
 def _train_state(run: Run) -> dict[str, Any]:
+    """JSON: counters, and every rank's data-stream position (``loader[rank]``) for an exact resume."""
+    from accelerate.utils import gather_object
+
+    positions = [run.position.state()]
+    if run.accelerator.num_processes > 1:
+        positions = gather_object(positions)
     return {"samples": run.samples, "epoch": run.samples / run.schedule["num_samples"],
-            "schedule": run.schedule, "skipped": dict(run.skipped)}
+            "schedule": run.schedule, "skipped": _all_ranks_skipped(run), "loader": positions,
+            "nonfinite_steps": run.nonfinite_steps, "config": run.cfg.model_dump(mode="json")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,7 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    fit(run)
+    try:
+        fit(run)
+    except FloatingPointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     run.accelerator.end_training()
     return 0
 

@@ -39,6 +39,10 @@ def test_defaults_yaml_overrides_precedence(tmp_path):
         (BASE, ["model.text_from_targets=true"], "needs model.lock_text=true"),
         (BASE, ["novalue"], "key.path=value"),
         (BASE, ["loss.3.weight=1"], "has no item 3"),
+        (BASE, ["data.num_samples=100"], "data.mode=resampled"),
+        (BASE, ["data.weights=[1,2]"], "data.weights need data.mode=resampled"),
+        (BASE, ["data.mode=resampled", "data.weights=[1,-2]"], "data.weights must be positive"),
+        (BASE, ["data.mode=sequential"], "data.mode"),
     ],
 )
 def test_rejected_with_key_named(tmp_path, data, overrides, needle):
@@ -48,11 +52,20 @@ def test_rejected_with_key_named(tmp_path, data, overrides, needle):
 
 
 def test_schedule_resolution():
+    from mmpretrain.data.sources import Source
+    from mmpretrain.data.stream import StreamPlan
+
     cfg = load_config(None, ["data.train=x", "train.epochs=2", "data.batch_size=10"])
-    s = resolve_schedule(cfg, dataset_samples=105, world_size=2)
+
+    def plan(n, workers=1):
+        return StreamPlan([Source("x", ["a.tar", "b.tar"], [n - n // 2, n // 2])], "epoch", 0, 2, workers, 10, n, 0)
+
+    s = resolve_schedule(cfg, plan(105).steps_per_epoch, 105, world_size=2)
     assert s["steps_per_epoch"] == 5 and s["total_steps"] == 10 and s["warmup_steps"] == 1
-    with pytest.raises(ConfigError, match="lower data.batch_size"):
-        resolve_schedule(cfg, dataset_samples=15, world_size=2)
+    # 2 ranks x 2 readers x 10: 80 of 105 samples per epoch, 4 steps; 25 dropped
+    assert plan(105, 2).steps_per_epoch == 4 and plan(105, 2).dropped_per_epoch == 25
+    with pytest.raises(ValueError, match="lower data.batch_size"):
+        plan(15)
 
 
 def test_train_exits_2_before_work(tmp_path, capsys):

@@ -1,0 +1,118 @@
+"""Training data sources: which shards, how many samples each, how to open them.
+
+``data.train`` is one or more sources joined by ``::``; each source is a dataset folder (with the
+``sizes.json`` that ``data_tools build`` writes) or a brace-expanded shard pattern:
+
+- local paths and ``file://`` urls;
+- ``pipe:COMMAND`` (the command writes the tar to stdout, e.g. ``pipe:cat /data/s-{000..009}.tar`` or
+  ``pipe:aws s3 cp s3://bucket/s-{000..009}.tar -``);
+- fsspec urls (``s3://``, ``gs://``, ``hf://``, ``https://`` ...), opened with ``fsspec.open``.
+
+Every shard's sample count must be known (exact epochs, and resuming without reading what was
+already seen, both depend on it): from the folder's ``sizes.json``, or for a pattern from a
+``sizes.json`` in the directory of its shards (for ``pipe:`` the last word of the command is taken as
+the shard path). ``data.weights`` gives each source a sampling weight (resampled mode).
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+
+@dataclass
+class Source:
+    spec: str
+    urls: list[str]
+    sizes: list[int]
+    weight: float = 1.0
+
+    @property
+    def num_samples(self) -> int:
+        return sum(self.sizes)
+
+
+def _shard_path(url: str) -> str:
+    """The path part a ``sizes.json`` is looked up beside."""
+    if url.startswith("pipe:"):
+        return url[5:].split()[-1]
+    return url.removeprefix("file://")
+
+
+def _is_local(path: str) -> bool:
+    return "://" not in path
+
+
+def _read_sizes_near(urls: list[str], spec: str) -> dict[str, int]:
+    first = _shard_path(urls[0])
+    folder = posixpath.dirname(first)
+    sizes_url = posixpath.join(folder, "sizes.json") if folder else "sizes.json"
+    try:
+        if _is_local(sizes_url):
+            return json.loads(Path(sizes_url).read_text())
+        import fsspec
+
+        with fsspec.open(sizes_url, "r") as f:
+            return json.load(f)
+    except (OSError, ValueError, ImportError) as e:
+        raise FileNotFoundError(
+            f"data.train source {spec!r}: no sample counts ({sizes_url}: {e.__class__.__name__}). Exact epochs "
+            "and resume need them: put a sizes.json (shard file name -> samples) beside the shards, or give a "
+            "dataset folder written by `python -m data_tools build`"
+        ) from None
+
+
+def resolve_source(spec: str, weight: float = 1.0) -> Source:
+    from braceexpand import braceexpand
+
+    from mmpretrain.data.manifest import read_sizes
+
+    p = Path(spec.removeprefix("file://"))
+    if _is_local(spec.removeprefix("file://")) and p.is_dir():
+        sizes = read_sizes(p)
+        names = sorted(sizes)
+        missing = [n for n in names if not (p / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"data.train: {p / missing[0]} is listed in sizes.json but missing "
+                                    f"({len(missing)} missing); rebuild or fix sizes.json")
+        return Source(spec, [str(p / n) for n in names], [int(sizes[n]) for n in names], weight)
+    urls = list(braceexpand(spec))
+    local = [u for u in urls if not u.startswith("pipe:") and _is_local(u.removeprefix("file://"))]
+    missing = [u for u in local if not Path(u.removeprefix("file://")).is_file()]
+    if missing:
+        raise FileNotFoundError(f"data.train: shard {missing[0]} does not exist ({len(missing)} missing)")
+    sizes = _read_sizes_near(urls, spec)
+    names = [posixpath.basename(_shard_path(u)) for u in urls]
+    unknown = [n for n in names if n not in sizes]
+    if unknown:
+        raise FileNotFoundError(f"data.train source {spec!r}: {unknown[0]} is not in the sizes.json beside it "
+                                f"({len(unknown)} shard(s) without a count)")
+    return Source(spec, urls, [int(sizes[n]) for n in names], weight)
+
+
+def resolve_sources(spec: str, weights: list[float] | None = None) -> list[Source]:
+    parts = [s for s in spec.split("::") if s.strip()]
+    if not parts:
+        raise FileNotFoundError(f"data.train={spec!r} names no shards")
+    if weights is not None and len(weights) != len(parts):
+        raise ValueError(f"data.weights has {len(weights)} value(s) for {len(parts)} source(s) in data.train "
+                         "(one weight per '::'-separated source)")
+    sources = [resolve_source(s.strip(), (weights or [1.0] * len(parts))[i]) for i, s in enumerate(parts)]
+    for s in sources:
+        if s.num_samples == 0:
+            raise ValueError(f"data.train source {s.spec!r} has no samples (sizes.json counts are all 0)")
+    return sources
+
+
+def open_url(url: str) -> IO[bytes]:
+    """A binary stream for a shard url (local, file://, pipe:, or any fsspec url)."""
+    if url.startswith("pipe:") or _is_local(url.removeprefix("file://")):
+        from webdataset.gopen import gopen
+
+        return gopen(url.removeprefix("file://"), "rb")
+    import fsspec
+
+    return fsspec.open(url, "rb").open()

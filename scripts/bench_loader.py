@@ -1,0 +1,102 @@
+"""Training-loader images/s: ``mmpretrain.data.stream`` against open_clip_train's
+``get_wds_dataset`` on the same shards, transform, tokenizer, batch and workers, alternating A B A B
+in one run.
+
+    python scripts/bench_loader.py [--image-size 32] [--shard-px 256] [--batch-size 128] [--workers 2]
+                                   [--epochs 3] [--repeats 3]
+
+Data: the packaged OpenMoji emoji built by ``data_tools build demo:openmoji`` as 256 px JPEG shards
+(web data as img2dataset writes it) in a temporary folder. Both sides decode, apply open_clip's
+training transform (random resized crop to --image-size), tokenize the caption with open_clip's
+tokenizer and batch inside the workers; neither reads stored embeddings. Timing covers --epochs
+passes over the training split, worker start included. Writes bench_results/loader.json
+(ratio = ours / open_clip, images/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from argparse import Namespace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import median, table, write_result  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--image-size", type=int, default=32, help="model input (the packaged tiny CPU configs: 32)")
+    p.add_argument("--shard-px", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import open_clip
+    from open_clip.transform import PreprocessCfg, image_transform_v2
+    from open_clip_train.data import get_wds_dataset
+
+    from data_tools.build import build
+    from mmpretrain.data.sources import resolve_sources
+    from mmpretrain.data.stream import SampleDecoder, StreamPlan, TrainStream, make_loader
+
+    transform = image_transform_v2(PreprocessCfg(size=args.image_size), is_train=True)
+    tokenizer = open_clip.get_tokenizer("ViT-B-32")
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "openmoji"
+        build("demo:openmoji", data, image_size=args.shard_px, shard_size=100, image_format="jpg")
+        train = data / "train"
+        shards = sorted(x.name for x in train.glob("*.tar"))
+        pattern = str(train / f"openmoji-train-{{000000..{len(shards) - 1:06d}}}.tar")
+        sources = resolve_sources(str(train))
+        n = sum(s.num_samples for s in sources)
+
+        def theirs() -> float:
+            a = Namespace(train_data=pattern, train_num_samples=None, dataset_resampled=False,
+                          train_data_upsampling_factors=None, seed=0, batch_size=args.batch_size, world_size=1,
+                          workers=args.workers)
+            t0 = time.perf_counter()
+            info = get_wds_dataset(a, transform, is_train=True, epoch=0, tokenizer=tokenizer)
+            seen = 0
+            for e in range(args.epochs):
+                info.set_epoch(e)
+                for images, _texts in info.dataloader:
+                    seen += images.shape[0]
+            dt = time.perf_counter() - t0
+            del info
+            return seen / dt
+
+        def ours() -> float:
+            plan = StreamPlan(sources, "epoch", 0, 1, max(1, args.workers), args.batch_size, n, 1000)
+            decoder = SampleDecoder(transform, embeddings="ignore", draft_size=args.image_size)
+            t0 = time.perf_counter()
+            it = iter(make_loader(TrainStream(plan, decoder, 0, tokenizer=tokenizer), args.workers))
+            seen = 0
+            for _ in range(plan.steps_per_epoch * args.epochs):
+                seen += next(it)["images"].shape[0]
+            dt = time.perf_counter() - t0
+            del it
+            return seen / dt
+
+        ref_runs, our_runs = [], []
+        for _ in range(args.repeats):
+            ref_runs.append(theirs())
+            our_runs.append(ours())
+    ratios = [o / r for o, r in zip(our_runs, ref_runs)]
+    rows = [(i + 1, f"{r:.1f}", f"{o:.1f}", f"{q:.3f}") for i, (r, o, q) in enumerate(zip(ref_runs, our_runs, ratios))]
+    print(table(rows, ("run", "open_clip get_wds_dataset img/s", "mmpretrain stream img/s", "ratio")))
+    path = write_result("loader", median(ratios), True, 1.2, ratios,
+                        {"samples": n, "shard_px": args.shard_px, "image_size": args.image_size,
+                         "batch_size": args.batch_size, "workers": args.workers, "epochs": args.epochs,
+                         "open_clip_images_per_s": ref_runs, "ours_images_per_s": our_runs})
+    print(f"ratio {median(ratios):.3f} -> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
