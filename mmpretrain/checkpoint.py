@@ -49,14 +49,15 @@ def read_train_state(ckpt: Path) -> dict[str, Any]:
 
 
 _RESUME_MAY_CHANGE = {"resume", "run_dir", "name", "train.steps", "train.epochs", "train.progress", "train.log_every",
-                      "train.save_every", "train.keep_last", "train.nonfinite", "train.max_skipped_steps"}
+                      "train.save_every", "train.keep_last", "train.nonfinite", "train.max_skipped_steps",
+                      "train.log_with", "train.diagnostics_every", "eval"}
 
 
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flat_config(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in tree.items():
         if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
+            out.update(flat_config(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -82,8 +83,9 @@ def resume_point(cfg: ExperimentConfig, run_dir: Path) -> tuple[Path | None, dic
     if "loader" not in saved or "config" not in saved:
         raise ConfigError(f"{ckpt} predates resumable checkpoints (no loader position); start a new run_dir "
                           f"with model.pretrained={ckpt}")
-    old, new = _flat(saved["config"]), _flat(cfg.model_dump(mode="json"))
-    diff = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in _RESUME_MAY_CHANGE)
+    old, new = flat_config(saved["config"]), flat_config(cfg.model_dump(mode="json"))
+    diff = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k)
+                  and k not in _RESUME_MAY_CHANGE and k.split(".")[0] not in _RESUME_MAY_CHANGE)
     if diff:
         what = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:8])
         raise ConfigError(f"resuming {ckpt} with a different config ({what}). Use the saved config "

@@ -57,6 +57,10 @@ class ModelConfig(_Strict):
         None, description="Hub ID or local folder for an HF text tower; replaces the arch's hf_model_name"
     )
     lock_text: bool = Field(False, description="freeze the text tower (LiT); its projection stays trainable")
+    lock_text_unlocked_layers: int = Field(0, ge=0, description="with lock_text: top text layers left trainable")
+    lock_image: bool = Field(False, description="freeze the image tower (LiT with a pretrained image tower)")
+    lock_image_unlocked_groups: int = Field(0, ge=0, description="with lock_image: top layer groups left trainable")
+    grad_checkpointing: bool = Field(False, description="recompute tower activations in backward (memory)")
     text_from_targets: bool = Field(
         False,
         description="with a locked mean-pooled HF text tower that is also the target encoder, compute text "
@@ -118,6 +122,15 @@ class TrainConfig(_Strict):
     save_every: int | None = Field(None, gt=0, description="checkpoint every K steps (always one at the end)")
     max_logit_scale: float = Field(100.0, gt=1.0, description="the scale is clamped to ln(this) after each step")
     progress: bool = True
+    micro_batch_size: int | None = Field(None, gt=0, description="split each rank's batch into micro-batches of "
+                                         "this size (memory); see micro_batch_mode")
+    micro_batch_mode: Literal["grad_cache", "accumulate"] = Field(
+        "grad_cache", description="grad_cache: the whole batch's gradient exactly (towers without BatchNorm); "
+        "accumulate: each micro-batch its own objective, gradients averaged (a different objective)")
+    log_with: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["tensorboard"], description="trackers beside log.jsonl (run_dir/tb for tensorboard)")
+    diagnostics_every: int | None = Field(100, gt=0, description="geometry diagnostics of the gathered batch every "
+                                          "N steps (alignment, uniformity, modality gap, negative similarities)")
     keep_last: int = Field(3, gt=0, description="checkpoints kept in run_dir/checkpoints (older ones removed)")
     nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="a non-finite loss: stop (exit 1, no checkpoint of the bad state) or skip the step")
@@ -128,6 +141,30 @@ class TrainConfig(_Strict):
         if (self.epochs is None) == (self.steps is None):
             raise ValueError("set exactly one of train.epochs and train.steps")
         return self
+
+
+class EvalConfig(_Strict):
+    every: int = Field(gt=0, description="run the evaluations every N steps (and at the end), on all ranks")
+    datasets: list[str] = Field(min_length=1, description="dataset specs as python -m mmpretrain.eval takes them")
+    tasks: list[str] = Field(min_length=1, description="one task for all datasets, or one per dataset")
+    batch_size: int = Field(256, gt=0)
+    num_workers: int = Field(2, ge=0)
+
+    @model_validator(mode="after")
+    def _tasks(self):
+        from mmpretrain.eval import TASKS
+
+        if len(self.tasks) not in (1, len(self.datasets)):
+            raise ValueError("eval.tasks: give one task, or one per entry of eval.datasets")
+        bad = [t for t in self.tasks if t not in TASKS]
+        if bad:
+            raise ValueError(f"eval.tasks: {bad[0]!r} is not one of {', '.join(TASKS)}")
+        return self
+
+    @property
+    def jobs(self) -> list[tuple[str, str]]:
+        tasks = self.tasks * len(self.datasets) if len(self.tasks) == 1 else self.tasks
+        return list(zip(self.datasets, tasks))
 
 
 class ExperimentConfig(_Strict):
@@ -142,6 +179,7 @@ class ExperimentConfig(_Strict):
     loss: list[LossTerm] = Field(default_factory=lambda: [LossTerm(name="clip")])
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=lambda: TrainConfig(epochs=1))
+    eval: EvalConfig | None = Field(None, description="evaluations during training (the evaluation suite's tasks)")
 
     @model_validator(mode="after")
     def _cross(self) -> ExperimentConfig:
@@ -151,6 +189,13 @@ class ExperimentConfig(_Strict):
             raise ValueError(
                 "model.text_from_targets needs model.lock_text=true (a trained text tower must run every step)"
             )
+        if self.model.text_from_targets and self.model.lock_text_unlocked_layers:
+            raise ValueError("model.text_from_targets needs the whole text tower locked: "
+                             "set model.lock_text_unlocked_layers=0")
+        m = self.train.micro_batch_size
+        if m is not None and (m >= self.data.batch_size or self.data.batch_size % m):
+            raise ValueError(f"train.micro_batch_size={m} must divide data.batch_size={self.data.batch_size} "
+                             "and be smaller (or leave it unset)")
         return self
 
     @property

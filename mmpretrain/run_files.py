@@ -53,28 +53,3 @@ class JsonlLog:
         self.records.append(record)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
-
-
-def plot_losses(records: list[dict[str, Any]], out: Path) -> Path | None:
-    """``plots/loss.png``: every logged ``*_loss`` term and the total against the step."""
-    if not records:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out.mkdir(parents=True, exist_ok=True)
-    keys = sorted({k for r in records for k in r if k.endswith("_loss") or k == "loss"})
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for k in keys:
-        pts = [(r["step"], r[k]) for r in records if k in r]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=k)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.legend()
-    fig.tight_layout()
-    path = out / "loss.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path

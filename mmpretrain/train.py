@@ -39,6 +39,17 @@ class Run:
     skipped: Counter = field(default_factory=Counter)
     position: Any = None  # data.stream.StreamPosition of this rank
     nonfinite_steps: int = 0
+    preprocess: Any = None  # evaluation transform and tokenizer, for cfg.eval
+    tokenizer: Any = None
+    histograms: Any = None  # similarity histograms of the last diagnostics batch
+
+    def write(self, rec: dict[str, Any]) -> None:
+        """A log record: log.jsonl and the trackers (main process)."""
+        if self.log is not None and rec:
+            from mmpretrain.observe import numeric
+
+            self.log.write(rec)
+            self.accelerator.log(numeric(rec), step=rec["step"])
 
 
 def setup(cfg: ExperimentConfig) -> Run:
@@ -63,10 +74,14 @@ def setup(cfg: ExperimentConfig) -> Run:
 
     if cfg.train.precision != "no" and not torch.cuda.is_available():
         raise ConfigError(f"train.precision={cfg.train.precision} needs a GPU; use train.precision=no on CPU")
-    acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.train.precision)
-    rank, world = acc.process_index, acc.num_processes
     run_dir = cfg.resolved_run_dir
-    from mmpretrain.checkpoint import resume_point
+    try:
+        acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.train.precision,
+                          log_with=list(cfg.train.log_with) or None, project_dir=str(run_dir))
+    except (ValueError, ImportError) as e:
+        raise ConfigError(f"train.log_with={cfg.train.log_with}: {e} (pip install the tracker, or drop it)") from None
+    rank, world = acc.process_index, acc.num_processes
+    from mmpretrain.checkpoint import flat_config, resume_point
 
     ckpt, saved = resume_point(cfg, run_dir)
     try:
@@ -94,7 +109,9 @@ def setup(cfg: ExperimentConfig) -> Run:
     model_cfg = factory.with_logit_init(model_cfg, objective.init_logit_scale, objective.init_logit_bias)
     model = factory.build_dual_encoder(
         model_cfg, pretrained=cfg.model.pretrained, arch=cfg.model.arch, lock_text=cfg.model.lock_text,
-        text_from_targets=cfg.model.text_from_targets,
+        text_from_targets=cfg.model.text_from_targets, lock_text_unlocked_layers=cfg.model.lock_text_unlocked_layers,
+        lock_image=cfg.model.lock_image, lock_image_unlocked_groups=cfg.model.lock_image_unlocked_groups,
+        grad_checkpointing=cfg.model.grad_checkpointing,
     )
     preprocess_cfg = factory.default_preprocess_cfg(model_cfg)
     from open_clip.transform import PreprocessCfg, image_transform_v2
@@ -139,7 +156,16 @@ def setup(cfg: ExperimentConfig) -> Run:
         (run_dir / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     acc.wait_for_everyone()
     run = Run(cfg, acc, model, objective, opt, loader, sched, run_dir, target_encoder,
-              JsonlLog(run_dir / "log.jsonl") if acc.is_main_process else None, position=position)
+              JsonlLog(run_dir / "log.jsonl") if acc.is_main_process else None, position=position,
+              preprocess=image_transform_v2(PreprocessCfg(**preprocess_cfg), is_train=False),
+              tokenizer=factory.make_tokenizer(model_cfg))
+    if cfg.train.log_with:
+        from mmpretrain.observe import numeric
+
+        hparams = {k: str(v) if isinstance(v, (list, dict)) else v
+                   for k, v in flat_config(cfg.model_dump(mode="json")).items() if v is not None}
+        acc.init_trackers("mmpretrain", config=hparams | numeric(sched, "resolved/"),
+                          init_kwargs={"wandb": {"name": cfg.name, "dir": str(run_dir)}})
     if saved is not None:
         run.step, run.samples = saved["step"], saved["samples"]
         run.nonfinite_steps = saved.get("nonfinite_steps", 0)
@@ -153,6 +179,7 @@ def setup(cfg: ExperimentConfig) -> Run:
 
 def train_step(run: Run, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
     """One optimizer step on one batch; returns the objective's named terms and the total."""
+    from mmpretrain.grad_cache import forward_backward
     from mmpretrain.schedule import lr_at
 
     cfg, acc = run.cfg, run.accelerator
@@ -168,16 +195,21 @@ def train_step(run: Run, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
     if targets is not None:
         targets = targets.to(acc.device, non_blocking=True).float()
     tokens = batch["tokens"].to(acc.device, non_blocking=True) if "tokens" in batch else None
-    with acc.autocast():
-        feats = run.model(images, tokens=tokens, target_embeddings=targets)
-        out = run.objective(**feats, target_embeddings=targets)
-    total = sum(v for k, v in out.items() if k.endswith("_loss"))
-    bad = (~torch.isfinite(total.detach())).float().reshape(1)
-    if acc.num_processes > 1:  # every rank takes the same decision
-        bad = acc.reduce(bad.to(acc.device), reduction="sum")
-    if bad.item():
-        terms = ", ".join(f"{k}={float(v.detach()):.4g}" for k, v in out.items()
-                          if k.endswith(("_loss", "_unweighted")))
+
+    ok = []
+
+    def finite(out: dict[str, torch.Tensor], total: torch.Tensor) -> bool:
+        bad = (~torch.isfinite(total.detach())).float().reshape(1)
+        if acc.num_processes > 1:  # every rank takes the same decision
+            bad = acc.reduce(bad.to(acc.device), reduction="sum")
+        ok.append(not bad.item())
+        return ok[-1]
+
+    out = forward_backward(acc, run.model, run.objective, images, tokens, targets, check=finite,
+                           micro_batch=cfg.train.micro_batch_size, mode=cfg.train.micro_batch_mode)
+    out["lr"] = torch.tensor(lr)
+    if not ok[-1]:
+        terms = ", ".join(f"{k}={float(v):.4g}" for k, v in out.items() if k.endswith(("_loss", "_unweighted")))
         run.nonfinite_steps += 1
         if cfg.train.nonfinite == "stop" or run.nonfinite_steps > cfg.train.max_skipped_steps:
             raise FloatingPointError(f"non-finite loss at step {run.step} ({terms}); the last checkpoint holds the "
@@ -185,56 +217,30 @@ def train_step(run: Run, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         print(f"warning: non-finite loss at step {run.step} ({terms}): step skipped "
               f"({run.nonfinite_steps}/{cfg.train.max_skipped_steps})", file=sys.stderr)
         run.optimizer.zero_grad(set_to_none=True)
-        out = {k: torch.zeros(()) if k.endswith(("_loss", "_unweighted")) else v for k, v in out.items()}
-        out["loss"], out["lr"] = torch.zeros(()), torch.tensor(lr)
-        return out
-    acc.backward(total)
+        return {k: torch.zeros(()) if k.endswith(("_loss", "_unweighted")) or k == "loss" else v
+                for k, v in out.items()}
     if cfg.optim.grad_clip_norm is not None:
         acc.clip_grad_norm_(run.model.parameters(), cfg.optim.grad_clip_norm)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
         acc.unwrap_model(run.model).clip.logit_scale.clamp_(0, math.log(cfg.train.max_logit_scale))
-    out["loss"] = total.detach()
-    out["lr"] = torch.tensor(lr)
     return out
-
-
-def _log_record(run: Run, out: dict[str, torch.Tensor], since: float, steps: int) -> dict[str, Any]:
-    acc = run.accelerator
-    keys = sorted(k for k in out if k.endswith("_loss") or k.endswith("_unweighted") or k == "loss")
-    vals = acc.reduce(torch.stack([out[k].detach().float() for k in keys]).to(acc.device), reduction="mean")
-    rec: dict[str, Any] = {"step": run.step, "samples": run.samples,
-                           "epoch": run.samples / run.schedule["num_samples"], "lr": float(out["lr"])}
-    rec.update({k: float(v) for k, v in zip(keys, vals.tolist())})
-    rec["logit_scale"] = float(acc.unwrap_model(run.model).clip.logit_scale.detach().exp())
-    rec["samples_per_s"] = steps * run.schedule["global_batch_size"] / max(time.time() - since, 1e-9)
-    rec["skipped"] = _all_ranks_skipped(run)
-    rec["nonfinite_steps"] = run.nonfinite_steps
-    return rec
-
-
-def _all_ranks_skipped(run: Run) -> dict[str, int]:
-    """Bad and dropped samples by reason, summed over ranks."""
-    from accelerate.utils import gather_object
-
-    total: Counter = Counter()
-    for counts in gather_object([dict(run.skipped)]) if run.accelerator.num_processes > 1 else [run.skipped]:
-        total.update(counts)
-    return dict(sorted(total.items()))
 
 
 def fit(run: Run) -> dict[str, Any]:
     from tqdm import tqdm
 
     from mmpretrain.checkpoint import save_checkpoint
-    from mmpretrain.run_files import plot_losses
+    from mmpretrain.metrics import plot_run
+    from mmpretrain.observe import diagnostics, evaluate, log_record
 
     cfg, acc, total_steps = run.cfg, run.accelerator, run.schedule["total_steps"]
     run.model.train()
-    bar = tqdm(total=total_steps, disable=not (acc.is_main_process and cfg.train.progress), desc="train")
+    bar = tqdm(total=total_steps, initial=run.step, disable=not (acc.is_main_process and cfg.train.progress),
+               desc="train", unit="step")
     it = iter(run.loader)
-    t0, last = time.time(), time.time()
+    t0, last, last_step = time.time(), time.time(), run.step
     rec: dict[str, Any] = {}
     while run.step < total_steps:
         batch = next(it)
@@ -244,19 +250,24 @@ def fit(run: Run) -> dict[str, Any]:
         run.step += 1
         run.samples += run.schedule["global_batch_size"]
         bar.update(1)
-        if run.step % cfg.train.log_every == 0 or run.step == total_steps:
-            rec = _log_record(run, out, last, cfg.train.log_every if run.step % cfg.train.log_every == 0
-                              else run.step % cfg.train.log_every)
-            last = time.time()
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", scale=f"{rec['logit_scale']:.1f}")
-            if run.log is not None:
-                run.log.write(rec)
-        if cfg.train.save_every and run.step % cfg.train.save_every == 0 and run.step < total_steps:
+        end = run.step == total_steps
+        diag = bool(cfg.train.diagnostics_every) and (run.step % cfg.train.diagnostics_every == 0 or end)
+        if run.step % cfg.train.log_every == 0 or end or diag:
+            rec = log_record(run, out, last, run.step - last_step)
+            if diag:
+                rec.update(diagnostics(run, out))
+            last, last_step = time.time(), run.step
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", scale=f"{rec['logit_scale']:.1f}",
+                            samples_s=f"{rec['samples_per_s']:.0f}")
+            run.write(rec)
+        if cfg.eval is not None and (run.step % cfg.eval.every == 0 or end):
+            run.write(evaluate(run))
+        if cfg.train.save_every and run.step % cfg.train.save_every == 0 and not end:
             save_checkpoint(acc, run.run_dir, run.step, _train_state(run), cfg.train.keep_last)
     bar.close()
     ckpt = save_checkpoint(acc, run.run_dir, run.step, _train_state(run), cfg.train.keep_last)
     if run.log is not None:
-        plot_losses(run.log.records, run.run_dir / "plots")
+        plot_run(run.log.records, run.histograms, run.run_dir / "plots")
     summary = {"steps": run.step, "samples": run.samples, "seconds": round(time.time() - t0, 1),
                "final": rec, "checkpoint": str(ckpt)}
     if acc.is_main_process:
@@ -268,11 +279,13 @@ def _train_state(run: Run) -> dict[str, Any]:
     """JSON: counters, and every rank's data-stream position (``loader[rank]``) for an exact resume."""
     from accelerate.utils import gather_object
 
+    from mmpretrain.observe import all_ranks_skipped
+
     positions = [run.position.state()]
     if run.accelerator.num_processes > 1:
         positions = gather_object(positions)
     return {"samples": run.samples, "epoch": run.samples / run.schedule["num_samples"],
-            "schedule": run.schedule, "skipped": _all_ranks_skipped(run), "loader": positions,
+            "schedule": run.schedule, "skipped": all_ranks_skipped(run), "loader": positions,
             "nonfinite_steps": run.nonfinite_steps, "config": run.cfg.model_dump(mode="json")}
 
 

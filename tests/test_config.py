@@ -77,6 +77,21 @@ def test_train_exits_2_before_work(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")))
+TRAIN_CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "accelerate" not in p.parts)
+
+
+@pytest.mark.parametrize("path", TRAIN_CONFIGS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
 def test_shipped_configs_validate(path):
-    load_config(path)
+    cfg = load_config(path)
+    head = path.read_text().split("\n")[:12]
+    assert any("Launch:" in line for line in head), "each config opens with its launch command"
+    assert any("Expected" in line for line in head), "each config states its expected result"
+    assert cfg.train.epochs or cfg.train.steps
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs/accelerate").glob("*.yaml")), ids=lambda p: p.name)
+def test_accelerate_configs_parse(path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    c = load_config_from_file(str(path))
+    assert c.num_processes >= 1 and c.distributed_type is not None

@@ -172,6 +172,10 @@ def build_dual_encoder(
     text_from_targets: bool = False,
     init_logit_scale: float | None = None,
     init_logit_bias: float | None = None,
+    lock_text_unlocked_layers: int = 0,
+    lock_image: bool = False,
+    lock_image_unlocked_groups: int = 0,
+    grad_checkpointing: bool = False,
 ) -> DualEncoder:
     """The model to train. ``init_logit_*`` come from the objective's declared preferences."""
     model_cfg = with_logit_init(model_cfg, init_logit_scale, init_logit_bias)
@@ -186,8 +190,12 @@ def build_dual_encoder(
             ckpt = open_clip.download_pretrained(tag_cfg)
         open_clip.load_checkpoint(clip, ckpt, strict=False, weights_only=True)
     if lock_text:
-        clip.lock_text_tower(unlocked_layers=0, freeze_layer_norm=True)
-    return DualEncoder(clip, text_from_targets=text_from_targets, lock_text=lock_text)
+        clip.lock_text_tower(unlocked_layers=lock_text_unlocked_layers, freeze_layer_norm=True)
+    if lock_image:  # open_clip's LiT locking: BatchNorm statistics frozen too
+        clip.lock_image_tower(unlocked_groups=lock_image_unlocked_groups, freeze_bn_stats=True)
+    if grad_checkpointing:
+        clip.set_grad_checkpointing(True)
+    return DualEncoder(clip, text_from_targets=text_from_targets, lock_text=lock_text and not lock_text_unlocked_layers)
 
 
 # ---------------------------------------------------------------- loading trained models

@@ -1,0 +1,127 @@
+"""Forward and backward of one step's batch, whole or in micro-batches.
+
+``mode="grad_cache"`` (Gao et al. 2021, "Scaling Deep Contrastive Learning Batch Size under Memory
+Limited Setup"): a no-grad forward over the micro-batches caches the features; the objective runs
+once on the whole batch with the features (and the logit scale and bias) as leaves and backward gives
+``dL/dfeatures``; each micro-batch is then forwarded again with grad and back-propagated with its
+slice of those gradients (the scale's and bias's gradients enter with the last one). The parameter
+gradient equals the whole batch's for towers without batch statistics: random ops (dropout, patch
+dropout) are replayed by restoring each micro-batch's RNG state before its second forward; BatchNorm
+sees micro-batch statistics in both forwards, so a BatchNorm tower (ResNets) gets the micro-batch
+objective's normalisation, not the big batch's. Memory: activations of one micro-batch plus the
+features of the batch; time: one extra forward of both towers.
+
+``mode="accumulate"``: each micro-batch is a separate objective (its own negatives, its own
+normalisation) and the gradients are averaged, as plain gradient accumulation does. That is a
+different, weaker objective than the whole batch's (fewer negatives per positive); it exists for
+comparison and for objectives that do not decompose.
+
+Under DDP gradients synchronise only on the last micro-batch (``accelerator.no_sync``).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def _sub(x, s):
+    return None if x is None else x[s]
+
+
+def total_of(out: dict[str, torch.Tensor]) -> torch.Tensor:
+    return sum(v for k, v in out.items() if k.endswith("_loss"))
+
+
+def forward_backward(accelerator, model, objective, images, tokens=None, targets=None, *,
+                     micro_batch: int | None = None, mode: str = "grad_cache",
+                     check=None) -> dict[str, torch.Tensor]:
+    """Gradients of the step's loss into the parameters; returns the objective's terms (detached) and
+    ``loss``. ``check(out, total) -> bool``: called with the loss before any backward of the towers;
+    False means skip the backward (a non-finite loss)."""
+    acc = accelerator
+    B = images.shape[0]
+    if not micro_batch or micro_batch >= B:
+        with acc.autocast():
+            feats = model(images, tokens=tokens, target_embeddings=targets)
+            out = objective(**feats, target_embeddings=targets)
+        total = total_of(out)
+        if check is None or check(out, total):
+            acc.backward(total)
+        return _detached(out, total, feats["image_features"], feats["text_features"])
+    chunks = [slice(i, min(i + micro_batch, B)) for i in range(0, B, micro_batch)]
+    if mode == "accumulate":
+        outs, fi, ft = [], [], []
+        for j, s in enumerate(chunks):
+            with acc.no_sync(model) if j < len(chunks) - 1 else nullcontext():
+                with acc.autocast():
+                    feats = model(images[s], tokens=_sub(tokens, s), target_embeddings=_sub(targets, s))
+                    o = objective(**feats, target_embeddings=_sub(targets, s))
+                acc.backward(total_of(o) / len(chunks))
+            outs.append({k: v.detach() for k, v in o.items()})
+            fi.append(feats["image_features"].detach())
+            ft.append(feats["text_features"].detach())
+        out = {k: sum(o[k] for o in outs) / len(outs) for k in outs[0]}
+        total = total_of(out)
+        if check is not None:
+            check(out, total)  # a non-finite loss: the caller discards the accumulated gradients
+        return _detached(out, total, torch.cat(fi), torch.cat(ft))
+    if mode != "grad_cache":
+        raise ValueError(f"train.micro_batch_mode={mode!r}: grad_cache or accumulate")
+    device = images.device
+    states, img, txt = [], [], []
+    with torch.no_grad():
+        for s in chunks:
+            states.append(_rng_state(device))
+            with acc.autocast():
+                f = model(images[s], tokens=_sub(tokens, s), target_embeddings=_sub(targets, s))
+            img.append(f["image_features"])
+            txt.append(f["text_features"])
+    after = _rng_state(device)
+    img = torch.cat(img).detach().requires_grad_()
+    txt = torch.cat(txt).detach().requires_grad_()
+    clip = acc.unwrap_model(model).clip
+    scale = clip.logit_scale.detach().exp().requires_grad_()
+    bias = clip.logit_bias.detach().clone().requires_grad_() if clip.logit_bias is not None else None
+    with acc.autocast():
+        out = objective(image_features=img, text_features=txt, logit_scale=scale, logit_bias=bias,
+                        target_embeddings=targets)
+    total = total_of(out)
+    if check is not None and not check(out, total):
+        return _detached(out, total, img, txt)
+    total.backward()
+    for j, s in enumerate(chunks):
+        last = j == len(chunks) - 1
+        _set_rng_state(states[j], device)
+        with acc.no_sync(model) if not last else nullcontext():
+            with acc.autocast():
+                f = model(images[s], tokens=_sub(tokens, s), target_embeddings=_sub(targets, s))
+                surrogate = (f["image_features"] * img.grad[s]).sum() + (f["text_features"] * txt.grad[s]).sum()
+                if last and scale.grad is not None:
+                    surrogate = surrogate + (f["logit_scale"] * scale.grad).sum()
+                if last and bias is not None and bias.grad is not None:
+                    surrogate = surrogate + (f["logit_bias"] * bias.grad).sum()
+            acc.backward(surrogate)
+    _set_rng_state(after, device)
+    return _detached(out, total, img, txt)
+
+
+def _detached(out: dict[str, Any], total: torch.Tensor, image_features, text_features) -> dict[str, torch.Tensor]:
+    """The terms, ``loss``, and this rank's features as ``features`` (for the diagnostics)."""
+    res = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+    res["loss"] = total.detach()
+    res["features"] = (image_features.detach(), text_features.detach())
+    return res

@@ -1,0 +1,61 @@
+"""Run 5 training steps (mmpretrain.train.train_step) in float64 on fixed in-memory data whose global
+batch is split across the launched processes; write the mean losses and a weight checksum to argv[1].
+Run by tests/test_train.py under ``accelerate launch`` with 2 CPU processes and as 1 process."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+
+def main(out_path: str) -> None:
+    from accelerate import Accelerator
+
+    from mmpretrain.config import load_config
+    from mmpretrain.losses import build_objective
+    from mmpretrain.models.factory import build_dual_encoder, resolve_model_cfg
+    from mmpretrain.schedule import param_groups
+    from mmpretrain.train import Run, train_step
+
+    acc = Accelerator(cpu=True)
+    rank, world = acc.process_index, acc.num_processes
+    G, steps = 16, 5
+    g = torch.Generator().manual_seed(1)
+    images = torch.randn(steps, G, 3, 32, 32, generator=g, dtype=torch.float64)
+    tokens = torch.randint(1, 1000, (steps, G, 32), generator=g)
+    targets = torch.nn.functional.normalize(torch.randn(steps, G, 24, generator=g, dtype=torch.float64), dim=-1)
+    results = {}
+    for name, extra in {"whole": [], "grad_cache": ["train.micro_batch_size=4"]}.items():
+        if name == "grad_cache" and G // world <= 4:
+            extra = ["train.micro_batch_size=2"]
+        cfg = load_config(None, ["data.train=x", f"data.batch_size={G // world}", "train.steps=5", "train.epochs=null",
+                                 "optim.warmup_steps=1", "optim.lr=1e-3", "optim.grad_clip_norm=1.0",
+                                 "loss=[{name: clip}, {name: soft_target, weight: 0.5}]", *extra])
+        torch.manual_seed(0)
+        model_cfg = resolve_model_cfg("mmpt-tiny-vit", None, {"vision_cfg": {"layers": 2}, "text_cfg": {"layers": 2}})
+        model = build_dual_encoder(model_cfg, lock_text=False, text_from_targets=False).double()
+        objective = build_objective([t.model_dump() for t in cfg.loss], rank=rank, world_size=world,
+                                    dataset_size=1000)
+        opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr)
+        model, opt = acc.prepare(model, opt)
+        run = Run(cfg, acc, model, objective, opt, None, {"total_steps": 5, "warmup_steps": 1}, None)
+        model.train()
+        losses = []
+        for step in range(steps):
+            rows = slice(rank * G // world, (rank + 1) * G // world)
+            out = train_step(run, {"images": images[step, rows], "tokens": tokens[step, rows],
+                                   "target_embeddings": targets[step, rows]})
+            run.step += 1
+            losses.append(acc.reduce(out["loss"].reshape(1).double(), reduction="mean").item())
+        w = acc.unwrap_model(model)
+        results[name] = {"losses": losses,
+                         "weights": float(sum(p.detach().double().abs().sum() for p in w.parameters()))}
+    if acc.is_main_process:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
