@@ -167,6 +167,14 @@ class EvalConfig(_Strict):
         return list(zip(self.datasets, tasks))
 
 
+class HubConfig(_Strict):
+    repo_id: str = Field(description="ORG/NAME on the Hugging Face Hub (token: HF_TOKEN or `hf auth login`)")
+    push_every: int | None = Field(None, gt=0, description="upload each checkpoint whose step is a multiple of "
+                                   "this into checkpoints/step_N of the repo")
+    private: bool = True
+    revision: str | None = None
+
+
 class ExperimentConfig(_Strict):
     name: str = "run"
     run_dir: str | None = Field(None, description="default: runs/<name>")
@@ -180,6 +188,7 @@ class ExperimentConfig(_Strict):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=lambda: TrainConfig(epochs=1))
     eval: EvalConfig | None = Field(None, description="evaluations during training (the evaluation suite's tasks)")
+    hub: HubConfig | None = Field(None, description="periodic upload of checkpoints to the Hub during training")
 
     @model_validator(mode="after")
     def _cross(self) -> ExperimentConfig:

@@ -1,5 +1,7 @@
 """``python -m mmpretrain.export RUN_DIR --out DIR``: the run's latest checkpoint in open_clip's Hub layout.
 
+``--format transformers`` writes ``transformers.CLIPModel`` + ``CLIPProcessor`` instead (ViT image towers
+with open_clip's text transformer; ``--towers image``: ``CLIPVisionModelWithProjection`` alone).
 ``open_clip_config.json`` holds the architecture actually trained (overrides included) and its
 preprocessing; ``open_clip_model.safetensors`` the weights; HF text towers get their tokenizer files
 (open_clip's ``local-dir:`` loads the tokenizer from the folder) and keep naming their Hub ID, so
@@ -29,13 +31,13 @@ class ExportError(ValueError):
     pass
 
 
-def _card(run_dir: Path, model_cfg: dict, repo_id: str | None) -> str:
+def _card(run_dir: Path, model_cfg: dict, repo_id: str | None, fmt: str = "open_clip", towers: str = "both") -> str:
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
     prov = json.loads((run_dir / "provenance.json").read_text()) if (run_dir / "provenance.json").is_file() else {}
     results = json.loads((run_dir / "results.json").read_text()) if (run_dir / "results.json").is_file() else {}
     front = {
-        "library_name": "open_clip",
-        "pipeline_tag": "zero-shot-image-classification",
+        "library_name": fmt,
+        "pipeline_tag": "zero-shot-image-classification" if towers == "both" else "image-feature-extraction",
         # weights trained on share-alike data (the OpenMoji demo) carry its licence; otherwise the code's
         "license": "cc-by-sa-4.0" if "openmoji" in json.dumps(cfg) else "apache-2.0",
         "tags": ["clip", "open_clip", "mmpretrain", "contrastive-learning"],
@@ -66,9 +68,18 @@ def _card(run_dir: Path, model_cfg: dict, repo_id: str | None) -> str:
     if (run_dir / "plots").is_dir():
         lines += ["## Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in sorted((run_dir / "plots").glob("*.png"))]
         lines.append("")
-    lines += ["## Use", "", "```python", "import open_clip",
-              f"model, preprocess = open_clip.create_model_from_pretrained('hf-hub:{repo_id or 'ORG/NAME'}')",
-              f"tokenizer = open_clip.get_tokenizer('hf-hub:{repo_id or 'ORG/NAME'}')", "```", ""]
+    repo = repo_id or "ORG/NAME"
+    if fmt == "transformers" and towers == "image":
+        use = ["from transformers import CLIPVisionModelWithProjection, CLIPImageProcessor",
+               f"model = CLIPVisionModelWithProjection.from_pretrained('{repo}')",
+               f"processor = CLIPImageProcessor.from_pretrained('{repo}')"]
+    elif fmt == "transformers":
+        use = ["from transformers import CLIPModel, CLIPProcessor", f"model = CLIPModel.from_pretrained('{repo}')",
+               f"processor = CLIPProcessor.from_pretrained('{repo}')"]
+    else:
+        use = ["import open_clip", f"model, preprocess = open_clip.create_model_from_pretrained('hf-hub:{repo}')",
+               f"tokenizer = open_clip.get_tokenizer('hf-hub:{repo}')"]
+    lines += ["## Use", "", "```python", *use, "```", ""]
     if "openmoji" in json.dumps(cfg):
         lines += ["Trained on emoji by OpenMoji, the open-source emoji and icon project (CC BY-SA 4.0).", ""]
     return "\n".join(lines)
@@ -79,31 +90,39 @@ def export(run_dir: str | Path, out: str | Path, *, fmt: str = "open_clip", towe
     from safetensors.torch import save_file
 
     run_dir, out = Path(run_dir), Path(out)
-    if fmt != "open_clip":
-        raise ExportError(f"--format {fmt}: only open_clip is available so far")
-    if towers != "both":
-        raise ExportError(f"--towers {towers}: only both towers can be exported so far")
+    if fmt == "open_clip" and towers != "both":
+        raise ExportError("--towers image needs --format transformers (open_clip loads only whole models); "
+                          "it writes a CLIPVisionModelWithProjection")
     if latest_checkpoint(run_dir) is None:
         raise ExportError(f"{run_dir} has no complete checkpoint (checkpoints/step_*/train_state.json)")
     clip, model_cfg, preprocess_cfg = load_run_clip(run_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    (tmp / "open_clip_config.json").write_text(
-        json.dumps({"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg}, indent=2))
-    save_file({k: v.contiguous() for k, v in clip.state_dict().items()}, str(tmp / "open_clip_model.safetensors"),
-              metadata={"format": "pt"})
-    tok_name = model_cfg.get("text_cfg", {}).get("hf_tokenizer_name")
-    if tok_name:
-        from transformers import AutoTokenizer
+    if fmt == "transformers":
+        from mmpretrain.export_hf import Unsupported, save_transformers
 
-        AutoTokenizer.from_pretrained(tok_name).save_pretrained(str(tmp))
+        try:
+            save_transformers(clip, model_cfg, preprocess_cfg, tmp, towers)
+        except Unsupported as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ExportError(str(e)) from None
+    else:
+        (tmp / "open_clip_config.json").write_text(
+            json.dumps({"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg}, indent=2))
+        save_file({k: v.contiguous() for k, v in clip.state_dict().items()},
+                  str(tmp / "open_clip_model.safetensors"), metadata={"format": "pt"})
+        tok_name = model_cfg.get("text_cfg", {}).get("hf_tokenizer_name")
+        if tok_name:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(tok_name).save_pretrained(str(tmp))
     for name in COPIED:
         if (run_dir / name).is_file():
             shutil.copy2(run_dir / name, tmp / name)
     if (run_dir / "plots").is_dir():
         shutil.copytree(run_dir / "plots", tmp / "plots")
-    (tmp / "README.md").write_text(_card(run_dir, model_cfg, repo_id))
+    (tmp / "README.md").write_text(_card(run_dir, model_cfg, repo_id, fmt, towers))
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
@@ -125,8 +144,10 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", help="run folder (its latest complete checkpoint is exported)")
     p.add_argument("--out", required=True, help="export folder to write")
-    p.add_argument("--format", default="open_clip", choices=["open_clip", "transformers"])
-    p.add_argument("--towers", default="both", choices=["both", "image"])
+    p.add_argument("--format", default="open_clip", choices=["open_clip", "transformers"],
+                   help="transformers: CLIPModel + CLIPProcessor (ViT image tower, open_clip text transformer)")
+    p.add_argument("--towers", default="both", choices=["both", "image"],
+                   help="image: the image encoder alone (with --format transformers)")
     p.add_argument("--push-to-hub", default=None, metavar="ORG/NAME", help="upload the folder to this Hub repo")
     p.add_argument("--private", action="store_true")
     p.add_argument("--revision", default=None)

@@ -263,9 +263,10 @@ def fit(run: Run) -> dict[str, Any]:
         if cfg.eval is not None and (run.step % cfg.eval.every == 0 or end):
             run.write(evaluate(run))
         if cfg.train.save_every and run.step % cfg.train.save_every == 0 and not end:
-            save_checkpoint(acc, run.run_dir, run.step, _train_state(run), cfg.train.keep_last)
+            _push(run, save_checkpoint(acc, run.run_dir, run.step, _train_state(run), cfg.train.keep_last))
     bar.close()
     ckpt = save_checkpoint(acc, run.run_dir, run.step, _train_state(run), cfg.train.keep_last)
+    _push(run, ckpt)
     if run.log is not None:
         plot_run(run.log.records, run.histograms, run.run_dir / "plots")
     summary = {"steps": run.step, "samples": run.samples, "seconds": round(time.time() - t0, 1),
@@ -273,6 +274,18 @@ def fit(run: Run) -> dict[str, Any]:
     if acc.is_main_process:
         print(json.dumps(summary))
     return summary
+
+
+def _push(run: Run, ckpt: Path) -> None:
+    """``hub.push_every``: upload the checkpoint (main process; the token is huggingface_hub's business)."""
+    hub = run.cfg.hub
+    if hub is None or not hub.push_every or run.step % hub.push_every or not run.accelerator.is_main_process:
+        return
+    from huggingface_hub import create_repo, upload_folder
+
+    create_repo(hub.repo_id, private=hub.private, exist_ok=True)
+    upload_folder(repo_id=hub.repo_id, folder_path=str(ckpt), path_in_repo=f"checkpoints/{ckpt.name}",
+                  revision=hub.revision, commit_message=f"checkpoint at step {run.step}")
 
 
 def _train_state(run: Run) -> dict[str, Any]:

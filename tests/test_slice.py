@@ -97,6 +97,24 @@ def test_slice_train_eval_export_reload(openmoji, tmp_path):
     # the export holds the trained weights, not the initialisation (the scale moved from ln(1/0.07))
     assert not torch.allclose(exported.logit_scale, torch.tensor(1 / 0.07).log())
 
+    # transformers: the MiniLM text tower has no CLIPModel equivalent (refused, naming it); the image
+    # encoder alone exports as CLIPVisionModelWithProjection with equal embeddings
+    r = run_cli("mmpretrain.export", str(run_dir), "--out", str(tmp_path / "hf"), "--format", "transformers")
+    assert r.returncode == 2 and "all-MiniLM-L6-v2 is a Hugging Face model" in r.stderr
+    r = run_cli("mmpretrain.export", str(run_dir), "--out", str(tmp_path / "hf_image"), "--format", "transformers",
+                "--towers", "image")
+    assert r.returncode == 0, r.stderr[-3000:]
+    from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
+
+    vision = CLIPVisionModelWithProjection.from_pretrained(tmp_path / "hf_image").eval()
+    processor = CLIPImageProcessor.from_pretrained(tmp_path / "hf_image")
+    pil = [Image.new("RGB", (64, 48), c) for c in ("red", "white", "yellow")]
+    with torch.no_grad():
+        pixels = processor(images=pil, return_tensors="pt").pixel_values
+        torch.testing.assert_close(pixels, torch.stack([preprocess2(p) for p in pil]), atol=2e-2, rtol=0)
+        torch.testing.assert_close(vision(pixel_values=images).image_embeds, trained.encode_image(images),
+                                   atol=1e-4, rtol=1e-4)
+
 
 def test_slice_trainable_open_clip_text_tower(openmoji, tmp_path):
     run_dir = tmp_path / "run_text"
@@ -104,9 +122,32 @@ def test_slice_trainable_open_clip_text_tower(openmoji, tmp_path):
     train(openmoji, run_dir, "model.arch=mmpt-tiny-vit", "model.lock_text=false", "model.text_from_targets=false",
           "targets.source=online")
     assert "targets: online" in (run_dir / "config.yaml").read_text()
-    model, _, tokenizer = mmpretrain.load(str(run_dir))
+    model, preprocess, tokenizer = mmpretrain.load(str(run_dir))
     assert isinstance(model, open_clip.CLIP)
     assert model.encode_text(tokenizer(["a cat"])).shape == (1, 256)
+
+    # transformers export: CLIPModel + CLIPProcessor, equal embeddings from the folder alone
+    out = tmp_path / "hf"
+    r = run_cli("mmpretrain.export", str(run_dir), "--out", str(out), "--format", "transformers")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "library_name: transformers" in (out / "README.md").read_text()
+    from PIL import Image
+    from transformers import CLIPModel, CLIPProcessor
+
+    hf = CLIPModel.from_pretrained(out).eval()
+    processor = CLIPProcessor.from_pretrained(out)
+    texts = ["grinning face with smiling eyes", "black large square", "clock face one oclock"]
+    images = torch.stack([preprocess(Image.new("RGB", (40, 40), c)) for c in ("red", "white", "blue")])
+    with torch.no_grad():
+        ids = processor(text=texts, padding="max_length", return_tensors="pt").input_ids
+        ours_t = model.encode_text(tokenizer(texts))
+        theirs_t = hf.get_text_features(input_ids=ids)
+        theirs_i = hf.get_image_features(pixel_values=images)
+        theirs_t = getattr(theirs_t, "pooler_output", theirs_t)
+        theirs_i = getattr(theirs_i, "pooler_output", theirs_i)
+        torch.testing.assert_close(theirs_t, ours_t, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(theirs_i, model.encode_image(images), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(hf.logit_scale, model.logit_scale)
 
 
 def test_slice_two_cpu_ranks_under_accelerate(openmoji, tmp_path):

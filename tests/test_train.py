@@ -158,3 +158,43 @@ def test_pretrain_cc3m_script_on_a_local_tsv(openmoji, tmp_path):
     assert json.loads((tmp_path / "data/manifest.json").read_text())["embedding"]["model"]
     assert json.loads((run / "results.json").read_text())["results"][0]["task"] == "zeroshot_classification"
     assert (run / "export/open_clip_model.safetensors").is_file()
+
+
+def test_hub_push_uses_the_api_and_never_exposes_the_token(openmoji, tmp_path, monkeypatch, capsys):
+    """Periodic checkpoint push during training and the export's push, through huggingface_hub (patched:
+    there is no network); the token is read by huggingface_hub from the environment, never by us."""
+    import huggingface_hub
+
+    from mmpretrain.config import load_config
+    from mmpretrain.export import main as export_main
+    from mmpretrain.train import fit, setup
+
+    secret = "hf_" + "x" * 30
+    monkeypatch.setenv("HF_TOKEN", secret)
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "create_repo", lambda repo_id, **kw: calls.append(("create", repo_id, kw)))
+
+    def upload(**kw):
+        calls.append(("upload", kw["repo_id"], kw))
+        return type("Info", (), {"commit_url": f"https://huggingface.co/{kw['repo_id']}/commit/1"})()
+
+    monkeypatch.setattr(huggingface_hub, "upload_folder", upload)
+    run_dir = tmp_path / "run"
+    cfg = load_config(ROOT / "configs/demo.yaml", [f"data.train={openmoji / 'train'}", f"run_dir={run_dir}",
+                                                   *COMMON, "data.num_workers=0", "train.steps=4", "train.save_every=2",
+                                                   "hub={repo_id: me/tiny, push_every: 2, revision: dev}"])
+    fit(setup(cfg))
+    uploads = [c for c in calls if c[0] == "upload"]
+    assert [c[2]["path_in_repo"] for c in uploads] == ["checkpoints/step_00000002", "checkpoints/step_00000004"]
+    assert all(c[1] == "me/tiny" and c[2]["revision"] == "dev" for c in uploads)
+    calls.clear()
+    out = tmp_path / "export"
+    assert export_main([str(run_dir), "--out", str(out), "--push-to-hub", "me/tiny", "--private",
+                        "--revision", "v1"]) == 0
+    assert calls[0] == ("create", "me/tiny", {"private": True, "exist_ok": True})
+    assert calls[1][2]["folder_path"] == str(out) and calls[1][2]["revision"] == "v1"
+    printed = capsys.readouterr()
+    assert secret not in printed.out + printed.err
+    for f in [*run_dir.rglob("*"), *out.rglob("*")]:
+        if f.is_file() and f.suffix in (".json", ".yaml", ".md", ".jsonl", ".txt"):
+            assert secret not in f.read_text(errors="ignore"), f
