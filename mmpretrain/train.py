@@ -107,12 +107,15 @@ def setup(cfg: ExperimentConfig) -> Run:
 
     set_seed(cfg.seed)
     model_cfg = factory.with_logit_init(model_cfg, objective.init_logit_scale, objective.init_logit_bias)
-    model = factory.build_dual_encoder(
-        model_cfg, pretrained=cfg.model.pretrained, arch=cfg.model.arch, lock_text=cfg.model.lock_text,
-        text_from_targets=cfg.model.text_from_targets, lock_text_unlocked_layers=cfg.model.lock_text_unlocked_layers,
-        lock_image=cfg.model.lock_image, lock_image_unlocked_groups=cfg.model.lock_image_unlocked_groups,
-        grad_checkpointing=cfg.model.grad_checkpointing,
-    )
+    try:
+        model = factory.build_dual_encoder(
+            model_cfg, pretrained=cfg.model.pretrained, arch=cfg.model.arch, lock_text=cfg.model.lock_text,
+            text_from_targets=cfg.model.text_from_targets, lock_text_unlocked_layers=cfg.model.lock_text_unlocked_layers,
+            lock_image=cfg.model.lock_image, lock_image_unlocked_groups=cfg.model.lock_image_unlocked_groups,
+            grad_checkpointing=cfg.model.grad_checkpointing,
+        )
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from None
     preprocess_cfg = factory.default_preprocess_cfg(model_cfg)
     from open_clip.transform import PreprocessCfg, image_transform_v2
 

@@ -43,6 +43,16 @@ def test_defaults_yaml_overrides_precedence(tmp_path):
         (BASE, ["data.weights=[1,2]"], "data.weights need data.mode=resampled"),
         (BASE, ["data.mode=resampled", "data.weights=[1,-2]"], "data.weights must be positive"),
         (BASE, ["data.mode=sequential"], "data.mode"),
+        (BASE, ["data.batch_size=64", "train.micro_batch_size=48"], "must divide data.batch_size=64"),
+        (BASE, ["train.micro_batch_mode=chunks"], "train.micro_batch_mode"),
+        (BASE, ["train.nonfinite=ignore"], "train.nonfinite"),
+        (BASE, ["train.log_with=[tensorbord]"], "train.log_with"),
+        (BASE, ["eval={every: 10, datasets: [a, b], tasks: [knn, knn, knn]}"], "one per entry of eval.datasets"),
+        (BASE, ["eval={every: 10, datasets: [a], tasks: [zero_shot]}"], "'zero_shot' is not one of"),
+        (BASE, ["hub={push_every: 10}"], "hub.repo_id: required key is missing"),
+        (BASE, ["model.lock_text=true", "model.text_from_targets=true", "model.lock_text_unlocked_layers=2"],
+         "lock_text_unlocked_layers=0"),
+        (BASE, ["optim.lr=-1"], "optim.lr"),
     ],
 )
 def test_rejected_with_key_named(tmp_path, data, overrides, needle):

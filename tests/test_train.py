@@ -198,3 +198,13 @@ def test_hub_push_uses_the_api_and_never_exposes_the_token(openmoji, tmp_path, m
     for f in [*run_dir.rglob("*"), *out.rglob("*")]:
         if f.is_file() and f.suffix in (".json", ".yaml", ".md", ".jsonl", ".txt"):
             assert secret not in f.read_text(errors="ignore"), f
+    # both folders start a new run: model.pretrained=<run folder> (its latest checkpoint) or an export
+    trained = load_file(run_dir / "checkpoints/step_00000004/model.safetensors")
+    for source in (run_dir, out):
+        cfg2 = load_config(ROOT / "configs/demo.yaml", [f"data.train={openmoji / 'train'}", *COMMON,
+                                                        f"run_dir={tmp_path / ('from_' + source.name)}",
+                                                        "data.num_workers=0", f"model.pretrained={source}"])
+        run2 = setup(cfg2)
+        state = run2.accelerator.unwrap_model(run2.model).state_dict()
+        for k in ("clip.visual.conv1.weight", "clip.logit_scale", "clip.text.proj.weight"):
+            assert torch.equal(state[k], trained[k]), (source, k)

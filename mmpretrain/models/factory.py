@@ -163,6 +163,44 @@ def with_logit_init(model_cfg: dict, scale: float | None, bias: float | None) ->
     return model_cfg
 
 
+def _load_pretrained(clip: nn.Module, pretrained: str, arch: str | None) -> None:
+    """``model.pretrained``: an open_clip tag of ``arch``, a weights file, ``hf-hub:ORG/NAME`` (an open_clip
+    Hub repo), an export folder, or one of our checkpoints (``run/checkpoints/step_N``, or a run folder:
+    its latest). Weights only from safetensors or ``torch.load(weights_only=True)``."""
+    from safetensors.torch import load_file
+
+    p = Path(pretrained)
+    if pretrained.startswith("hf-hub:"):
+        from huggingface_hub import hf_hub_download
+
+        p = Path(hf_hub_download(pretrained[len("hf-hub:"):], "open_clip_model.safetensors"))
+    if p.is_dir():
+        ckpt = latest_checkpoint(p) or p
+        if (ckpt / "model.safetensors").is_file():  # accelerate's save_state of our DualEncoder
+            sd = {k.removeprefix("clip."): v for k, v in load_file(ckpt / "model.safetensors").items()}
+        elif (ckpt / "open_clip_model.safetensors").is_file():
+            sd = load_file(ckpt / "open_clip_model.safetensors")
+        else:
+            raise ValueError(f"model.pretrained={pretrained}: no model.safetensors (checkpoint) or "
+                             "open_clip_model.safetensors (export) in it")
+        missing, unexpected = clip.load_state_dict(sd, strict=False)
+        if unexpected or [m for m in missing if not m.startswith("text.transformer.")]:
+            raise ValueError(f"model.pretrained={pretrained}: weights do not fit model.arch (missing "
+                             f"{missing[:3]}, unexpected {unexpected[:3]})")
+        return
+    if p.is_file():
+        if p.suffix == ".safetensors":
+            clip.load_state_dict(load_file(p), strict=False)
+        else:
+            open_clip.load_checkpoint(clip, str(p), strict=False, weights_only=True)
+        return
+    register_packaged_configs()
+    tag_cfg = open_clip.get_pretrained_cfg(arch, pretrained)
+    if not tag_cfg:
+        raise ValueError(f"model.pretrained={pretrained!r} is neither a file, a folder, hf-hub:ID nor a tag of {arch!r}")
+    open_clip.load_checkpoint(clip, open_clip.download_pretrained(tag_cfg), strict=False, weights_only=True)
+
+
 def build_dual_encoder(
     model_cfg: dict,
     *,
@@ -181,14 +219,7 @@ def build_dual_encoder(
     model_cfg = with_logit_init(model_cfg, init_logit_scale, init_logit_bias)
     clip = instantiate(model_cfg, load_text_weights=pretrained is None)
     if pretrained is not None:
-        ckpt = pretrained
-        if not Path(ckpt).is_file():
-            register_packaged_configs()
-            tag_cfg = open_clip.get_pretrained_cfg(arch, pretrained)
-            if not tag_cfg:
-                raise ValueError(f"model.pretrained={pretrained!r} is neither a file nor a tag of {arch!r}")
-            ckpt = open_clip.download_pretrained(tag_cfg)
-        open_clip.load_checkpoint(clip, ckpt, strict=False, weights_only=True)
+        _load_pretrained(clip, pretrained, arch)
     if lock_text:
         clip.lock_text_tower(unlocked_layers=lock_text_unlocked_layers, freeze_layer_norm=True)
     if lock_image:  # open_clip's LiT locking: BatchNorm statistics frozen too
