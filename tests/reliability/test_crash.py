@@ -71,3 +71,29 @@ def test_two_kills_then_resume_is_bit_identical(openmoji, tmp_path):
 @pytest.mark.slow
 def test_five_kills_then_resume_is_bit_identical(openmoji, tmp_path):
     _crash_and_resume(openmoji, tmp_path, kills=5, seed=1)
+
+
+def test_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable(openmoji, tmp_path):
+    from mmpretrain.checkpoint import latest_checkpoint
+
+    run_dir = tmp_path / "run"
+    cmd = _cmd(openmoji, run_dir)
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    ckpts = run_dir / "checkpoints"
+    deadline = time.time() + 300
+    caught = None
+    while p.poll() is None and time.time() < deadline and caught is None:
+        # a later checkpoint's temporary folder exists: it is being written right now
+        tmp = [d for d in ckpts.glob("step_*.tmp") if d.name != "step_00000002.tmp"] if ckpts.is_dir() else []
+        if tmp:
+            os.killpg(p.pid, signal.SIGKILL)
+            caught = int(tmp[0].name[5:13])
+        time.sleep(0.001)
+    p.wait()
+    assert caught, "no write was caught in progress"
+    latest = latest_checkpoint(run_dir)
+    assert latest.name == f"step_{caught - 2:08d}"  # the half-written one is never taken
+    load_file(latest / "model.safetensors")
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stderr and f"step {caught - 2}" in r.stderr
