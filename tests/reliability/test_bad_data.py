@@ -132,3 +132,56 @@ def test_decoder_skip_reasons_are_named():
     with pytest.raises(SkipSample) as e:
         dec({"__key__": "k", "png": b"\x89PNG not really", "txt": b"x", "emb.npy": EMB.getvalue()}, 0, 0)
     assert e.value.reason == "undecodable_image"
+
+
+def test_build_converts_odd_modes_and_counts_broken_tars(tmp_path):
+    """data_tools build: CMYK / 16-bit / palette-with-transparency / grey-alpha images are converted to
+    RGB and kept; from img2dataset-style tars, a tar cut mid-member and a key split across two tars are
+    counted by reason, every good sample written once."""
+    import webdataset as wds
+
+    from conftest import run_cli
+
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for name, mode, fmt, kw in (("cmyk.jpg", "CMYK", "JPEG", {}), ("deep.png", "I;16", "PNG", {}),
+                                ("pal.png", "P", "PNG", {"transparency": 0}), ("la.png", "LA", "PNG", {})):
+        Image.new(mode, (50, 40)).save(folder / name, format=fmt, **kw)
+        (folder / name).with_suffix(".txt").write_text(f"an odd image {name}")
+    r = run_cli("data_tools", "build", str(folder), "--out", str(tmp_path / "odd"), "--image-size", "32")
+    assert r.returncode == 0, r.stderr[-2000:]
+    manifest = json.loads((tmp_path / "odd" / "manifest.json").read_text())
+    assert manifest["counts"]["samples"] == 4 and not manifest.get("skipped"), manifest
+    for shard in (tmp_path / "odd").glob("*.tar"):
+        with tarfile.open(shard) as t:
+            for m in t.getmembers():
+                if m.name.endswith((".jpg", ".png")):
+                    assert Image.open(io.BytesIO(t.extractfile(m).read())).mode == "RGB"
+
+    src = tmp_path / "i2d"
+    src.mkdir()
+    png = _encode(Image.new("RGB", (40, 40), "green"), "PNG")
+    with wds.TarWriter(str(src / "00000.tar"), encoder=False) as w:
+        for i in range(6):
+            w.write({"__key__": f"a{i}", "png": png, "txt": f"green {i}".encode()})
+        w.write({"__key__": "split", "png": png})  # its caption opens the next tar
+    with wds.TarWriter(str(src / "00001.tar"), encoder=False) as w:
+        w.write({"__key__": "split", "txt": b"the other half"})
+        for i in range(6):
+            w.write({"__key__": f"b{i}", "png": png, "txt": f"green b{i}".encode()})
+    with wds.TarWriter(str(src / "00002.tar"), encoder=False) as w:
+        for i in range(6):
+            w.write({"__key__": f"c{i}", "png": png, "txt": f"green c{i}".encode()})
+    cut = (src / "00002.tar").read_bytes()
+    (src / "00002.tar").write_bytes(cut[: len(cut) // 2 + 100])  # inside a member
+    r = run_cli("data_tools", "build", str(src), "--out", str(tmp_path / "out"), "--source-type", "img2dataset",
+                "--image-size", "32")
+    assert r.returncode == 0, r.stderr[-2000:]
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    skipped = manifest["skipped"]
+    # the split key's halves (+ the sample the cut left without its caption), and the cut tar itself
+    assert skipped["missing_image"] == 1 and skipped["missing_caption"] in (1, 2) and skipped["unreadable_tar"] == 1
+    keys = [m.name.split(".")[0] for s in (tmp_path / "out").glob("*.tar") for m in tarfile.open(s).getmembers()
+            if m.name.endswith(".txt")]
+    assert len(keys) == len(set(keys)) == manifest["counts"]["samples"] and {f"a{i}" for i in range(6)} <= set(keys)
+    assert {f"b{i}" for i in range(6)} <= set(keys) and "split" not in keys
