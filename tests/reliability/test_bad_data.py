@@ -185,3 +185,15 @@ def test_build_converts_odd_modes_and_counts_broken_tars(tmp_path):
             if m.name.endswith(".txt")]
     assert len(keys) == len(set(keys)) == manifest["counts"]["samples"] and {f"a{i}" for i in range(6)} <= set(keys)
     assert {f"b{i}" for i in range(6)} <= set(keys) and "split" not in keys
+
+
+def test_zero_byte_image_and_decompression_bomb_are_named_skips(monkeypatch):
+    dec = _decoder()
+    base = {"__key__": "k", "txt": b"x", "emb.npy": EMB.getvalue()}
+    with pytest.raises(SkipSample) as e:
+        dec({**base, "jpg": b""}, 0, 0)
+    assert e.value.reason == "undecodable_image"
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # Pillow refuses images over twice this
+    with pytest.raises(SkipSample) as e:
+        dec({**base, "png": _encode(Image.new("L", (100, 100)), "PNG")}, 0, 0)
+    assert e.value.reason == "decompression_bomb"
