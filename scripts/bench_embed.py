@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import median, table, write_result  # noqa: E402
+from benchlib import report_ratio  # noqa: E402
 
 
 def main() -> int:
@@ -56,13 +56,9 @@ def main() -> int:
         for _ in range(args.repeats):
             raw_runs.append(raw())
             our_runs.append(ours())
-    ratios = [o / r for o, r in zip(our_runs, raw_runs)]
-    rows = [(i + 1, f"{r:.1f}", f"{o:.1f}", f"{q:.3f}") for i, (r, o, q) in enumerate(zip(raw_runs, our_runs, ratios))]
-    print(table(rows, ("run", "raw encode sent/s", "data_tools embed sent/s", "ratio")))
-    path = write_result("embed", median(ratios), True, 0.95, ratios,
-                        {"captions": len(captions), "model": args.model, "batch_size": args.batch_size,
-                         "raw_sentences_per_s": raw_runs, "ours_sentences_per_s": our_runs})
-    print(f"ratio {median(ratios):.3f} -> {path}")
+    report_ratio("embed", raw_runs, our_runs, ("raw encode sent/s", "data_tools embed sent/s"), 0.95,
+                 {"captions": len(captions), "model": args.model, "batch_size": args.batch_size,
+                  "raw_sentences_per_s": raw_runs, "ours_sentences_per_s": our_runs})
     return 0
 
 

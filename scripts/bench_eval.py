@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import median, table, write_result  # noqa: E402
+from benchlib import report_ratio  # noqa: E402
 
 NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
@@ -90,15 +90,11 @@ def main() -> int:
             our_runs.append(o)
             agree.append(all(mo[k] == mr[k] for k in mo))
             assert agree[-1], (mo, mr)
-    ratios = [o / r for o, r in zip(our_runs, ref_runs)]
-    rows = [(i + 1, f"{r:.1f}", f"{o:.1f}", f"{q:.3f}") for i, (r, o, q) in enumerate(zip(ref_runs, our_runs, ratios))]
-    print(table(rows, ("run", "clip_benchmark img/s", "mmpretrain.eval img/s", "ratio")))
     print(f"metrics identical in every run: {all(agree)} ({mo})")
-    path = write_result("eval", median(ratios), True, 1.0, ratios,
-                        {"images": n, "model": args.model, "batch_size": args.batch_size, "workers": args.workers,
-                         "clip_benchmark_images_per_s": ref_runs, "ours_images_per_s": our_runs,
-                         "metrics": mo, "metrics_identical": all(agree)})
-    print(f"ratio {median(ratios):.3f} -> {path}")
+    report_ratio("eval", ref_runs, our_runs, ("clip_benchmark img/s", "mmpretrain.eval img/s"), 1.0,
+                 {"images": n, "model": args.model, "batch_size": args.batch_size, "workers": args.workers,
+                  "clip_benchmark_images_per_s": ref_runs, "ours_images_per_s": our_runs,
+                  "metrics": mo, "metrics_identical": all(agree)})
     return 0
 
 

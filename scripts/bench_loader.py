@@ -24,7 +24,7 @@ from argparse import Namespace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import median, table, write_result  # noqa: E402
+from benchlib import report_ratio  # noqa: E402
 
 
 def main() -> int:
@@ -87,14 +87,10 @@ def main() -> int:
         for _ in range(args.repeats):
             ref_runs.append(theirs())
             our_runs.append(ours())
-    ratios = [o / r for o, r in zip(our_runs, ref_runs)]
-    rows = [(i + 1, f"{r:.1f}", f"{o:.1f}", f"{q:.3f}") for i, (r, o, q) in enumerate(zip(ref_runs, our_runs, ratios))]
-    print(table(rows, ("run", "open_clip get_wds_dataset img/s", "mmpretrain stream img/s", "ratio")))
-    path = write_result("loader", median(ratios), True, 1.2, ratios,
-                        {"samples": n, "shard_px": args.shard_px, "image_size": args.image_size,
-                         "batch_size": args.batch_size, "workers": args.workers, "epochs": args.epochs,
-                         "open_clip_images_per_s": ref_runs, "ours_images_per_s": our_runs})
-    print(f"ratio {median(ratios):.3f} -> {path}")
+    report_ratio("loader", ref_runs, our_runs, ("open_clip get_wds_dataset img/s", "mmpretrain stream img/s"), 1.2,
+                 {"samples": n, "shard_px": args.shard_px, "image_size": args.image_size,
+                  "batch_size": args.batch_size, "workers": args.workers, "epochs": args.epochs,
+                  "open_clip_images_per_s": ref_runs, "ours_images_per_s": our_runs})
     return 0
 
 

@@ -112,3 +112,15 @@ def table(rows: list[tuple], header: tuple) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def report_ratio(name: str, ref_runs: list[float], our_runs: list[float], labels: tuple[str, str], target: float,
+                 extra: dict) -> float:
+    """Print the per-run table of an A/B throughput bench (ratio = ours / reference, higher is better)
+    and write ``bench_results/<name>.json``; returns the median ratio."""
+    ratios = [o / r for o, r in zip(our_runs, ref_runs)]
+    rows = [(i + 1, f"{r:.1f}", f"{o:.1f}", f"{q:.3f}") for i, (r, o, q) in enumerate(zip(ref_runs, our_runs, ratios))]
+    print(table(rows, ("run", *labels, "ratio")))
+    path = write_result(name, median(ratios), True, target, ratios, extra)
+    print(f"ratio {median(ratios):.3f} -> {path}")
+    return median(ratios)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
 import random
 from collections import Counter
@@ -322,8 +323,6 @@ class StreamPlan:
 
 
 def json_bytes(obj: Any) -> bytes:
-    import json
-
     return json.dumps(obj, sort_keys=True).encode()
 
 

@@ -69,16 +69,23 @@ def _sample(key):
     return [(key, "png", png), (key, "txt", f"caption {key}".encode()), (key, "emb.npy", EMB.getvalue())]
 
 
-def _epoch(folder, batch=4):
-    sources = resolve_sources(str(folder))
-    plan = StreamPlan(sources, "epoch", 0, 1, 1, batch, sum(s.num_samples for s in sources), 0)
+def _plan(sources, batch):
+    return StreamPlan(sources, "epoch", 0, 1, 1, batch, sum(s.num_samples for s in sources), 0)
+
+
+def _run_epoch(plan):
     it = iter(TrainStream(plan, _decoder(), 0))
     keys, skipped = [], Counter()
     for _ in range(plan.steps_per_epoch):
         b = next(it)
         keys += b["keys"]
         skipped.update(b["skipped"])
-    return keys, skipped, plan
+    return keys, skipped
+
+
+def _epoch(folder, batch=4):
+    plan = _plan(resolve_sources(str(folder)), batch)
+    return (*_run_epoch(plan), plan)
 
 
 def test_key_split_across_two_tars_is_two_counted_halves(tmp_path):
@@ -98,13 +105,7 @@ def test_a_shard_deleted_under_the_stream_is_counted(tmp_path):
     _write_shards(tmp_path / "d", shards)
     sources = resolve_sources(str(tmp_path / "d"))
     (tmp_path / "d" / "s-002.tar").unlink()  # gone after the run started
-    plan = StreamPlan(sources, "epoch", 0, 1, 1, 4, 20, 0)
-    it = iter(TrainStream(plan, _decoder(), 0))
-    keys, skipped = [], Counter()
-    for _ in range(plan.steps_per_epoch):
-        b = next(it)
-        keys += b["keys"]
-        skipped.update(b["skipped"])
+    keys, skipped = _run_epoch(_plan(sources, 4))
     assert skipped["unreadable_shard"] == 5 and len(keys) == 20  # filled by repeats, counted
     assert skipped["repeated_to_fill"] == 5 and not any(k.startswith("s2") for k in keys)
 
