@@ -19,10 +19,17 @@ from mmpretrain.models.factory import latest_checkpoint
 if TYPE_CHECKING:
     from mmpretrain.config import ExperimentConfig
 
-__all__ = ["save_checkpoint", "latest_checkpoint", "read_train_state", "resume_point"]
+__all__ = ["OBJECTIVE_STATE", "load_objective_state", "save_checkpoint", "latest_checkpoint", "read_train_state", "resume_point"]
 
 
-def save_checkpoint(accelerator, run_dir: Path, step: int, train_state: dict[str, Any], keep_last: int | None = None) -> Path:
+OBJECTIVE_STATE = "objective.safetensors"
+
+
+def save_checkpoint(accelerator, run_dir: Path, step: int, train_state: dict[str, Any], keep_last: int | None = None,
+                    objective_state: dict[str, Any] | None = None) -> Path:
+    """``objective_state``: a stateful objective's ``state_dict`` (region weighting's bank, centroids,
+    weights; the same on every rank), written as ``objective.safetensors`` by the main process --
+    not through accelerate's custom-object checkpointing, which pickles."""
     final = Path(run_dir) / "checkpoints" / f"step_{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
     if accelerator.is_main_process:
@@ -30,6 +37,10 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, train_state: dict[str
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp), safe_serialization=True)
     if accelerator.is_main_process:
+        if objective_state:
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().cpu().contiguous() for k, v in objective_state.items()}, str(tmp / OBJECTIVE_STATE))
         state = dict(train_state, step=step, saved_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         (tmp / "train_state.json").write_text(json.dumps(state, indent=2))
         shutil.rmtree(final, ignore_errors=True)
@@ -42,6 +53,20 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, train_state: dict[str
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def load_objective_state(objective, ckpt: Path) -> None:
+    """Restore a stateful objective from ``ckpt/objective.safetensors`` (a missing file is an error:
+    the objective would silently restart its state)."""
+    from safetensors.torch import load_file
+
+    from mmpretrain.config import ConfigError
+
+    path = Path(ckpt) / OBJECTIVE_STATE
+    if not path.is_file():
+        raise ConfigError(f"{path} is missing: the checkpoint was written without the objective's state "
+                          "(region weighting's bank, centroids and weights); resume from a checkpoint that has it")
+    objective.load_state_dict(load_file(str(path)))
 
 
 def read_train_state(ckpt: Path) -> dict[str, Any]:

@@ -205,6 +205,9 @@ class ExperimentConfig(_Strict):
         if m is not None and (m >= self.data.batch_size or self.data.batch_size % m):
             raise ValueError(f"train.micro_batch_size={m} must divide data.batch_size={self.data.batch_size} "
                              "and be smaller (or leave it unset)")
+        if m is not None and self.train.micro_batch_mode == "accumulate" and any(t.name == "regions" for t in self.loss):
+            raise ValueError("loss regions needs the whole batch in one objective call: use "
+                             "train.micro_batch_mode=grad_cache with train.micro_batch_size")
         return self
 
     @property

@@ -48,16 +48,17 @@ def total_of(out: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def forward_backward(accelerator, model, objective, images, tokens=None, targets=None, *,
                      micro_batch: int | None = None, mode: str = "grad_cache",
-                     check=None) -> dict[str, torch.Tensor]:
+                     check=None, objective_kwargs: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """Gradients of the step's loss into the parameters; returns the objective's terms (detached) and
-    ``loss``. ``check(out, total) -> bool``: called with the loss before any backward of the towers;
+    ``loss``. ``objective_kwargs`` (``step``, ``epoch``, ``labels``) reach the objective as they are. ``check(out, total) -> bool``: called with the loss before any backward of the towers;
     False means skip the backward (a non-finite loss)."""
     acc = accelerator
     B = images.shape[0]
+    kw = objective_kwargs or {}
     if not micro_batch or micro_batch >= B:
         with acc.autocast():
             feats = model(images, tokens=tokens, target_embeddings=targets)
-            out = objective(**feats, target_embeddings=targets)
+            out = objective(**feats, target_embeddings=targets, **kw)
         total = total_of(out)
         if check is None or check(out, total):
             acc.backward(total)
@@ -69,7 +70,8 @@ def forward_backward(accelerator, model, objective, images, tokens=None, targets
             with acc.no_sync(model) if j < len(chunks) - 1 else nullcontext():
                 with acc.autocast():
                     feats = model(images[s], tokens=_sub(tokens, s), target_embeddings=_sub(targets, s))
-                    o = objective(**feats, target_embeddings=_sub(targets, s))
+                    o = objective(**feats, target_embeddings=_sub(targets, s),
+                                  **{k: _sub(v, s) if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
                 acc.backward(total_of(o) / len(chunks))
             outs.append({k: v.detach() for k, v in o.items()})
             fi.append(feats["image_features"].detach())
@@ -98,7 +100,7 @@ def forward_backward(accelerator, model, objective, images, tokens=None, targets
     bias = clip.logit_bias.detach().clone().requires_grad_() if clip.logit_bias is not None else None
     with acc.autocast():
         out = objective(image_features=img, text_features=txt, logit_scale=scale, logit_bias=bias,
-                        target_embeddings=targets)
+                        target_embeddings=targets, **kw)
     total = total_of(out)
     if check is not None and not check(out, total):
         return _detached(out, total, img, txt)

@@ -3,6 +3,7 @@ gathered batch, evaluations during training, and the numeric view the trackers t
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from typing import Any
@@ -17,6 +18,13 @@ def log_record(run: Any, out: dict[str, torch.Tensor], since: float, steps: int)
     rec: dict[str, Any] = {"step": run.step, "samples": run.samples,
                            "epoch": run.samples / run.schedule["num_samples"], "lr": float(out["lr"])}
     rec.update({k: float(v) for k, v in zip(keys, vals.tolist())})
+    for k, v in out.items():  # the objective's own diagnostics ("regions/m5/q_entropy", ...), equal on every rank
+        if "/" in k and isinstance(v, torch.Tensor):
+            v = v.detach().float().cpu()
+            if v.numel() > 1:
+                rec[k] = v.tolist()
+            elif math.isfinite(float(v)):
+                rec[k] = float(v)
     rec["logit_scale"] = float(acc.unwrap_model(run.model).clip.logit_scale.detach().exp())
     rec["samples_per_s"] = steps * run.schedule["global_batch_size"] / max(time.time() - since, 1e-9)
     rec["skipped"] = all_ranks_skipped(run)

@@ -66,7 +66,7 @@ def setup(cfg: ExperimentConfig) -> Run:
         check_shard_count,
         make_loader,
     )
-    from mmpretrain.losses import NEEDS_TARGETS, build_objective
+    from mmpretrain.losses import STATEFUL, build_objective, needs_targets
     from mmpretrain.models import factory
     from mmpretrain.models.target_encoder import load_target_encoder, target_plan
     from mmpretrain.run_files import JsonlLog, provenance
@@ -102,8 +102,7 @@ def setup(cfg: ExperimentConfig) -> Run:
                                     dataset_size=sched["num_samples"])
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    needs_targets = cfg.model.text_from_targets or any(t.name in NEEDS_TARGETS for t in cfg.loss)
-    targets = target_plan(cfg, urls, needs_targets)
+    targets = target_plan(cfg, urls, cfg.model.text_from_targets or any(needs_targets(t.model_dump()) for t in cfg.loss))
 
     set_seed(cfg.seed)
     model_cfg = factory.with_logit_init(model_cfg, objective.init_logit_scale, objective.init_logit_bias)
@@ -124,6 +123,7 @@ def setup(cfg: ExperimentConfig) -> Run:
         embeddings={"shards": "require", "online": "ignore", "none": "ignore"}[targets],
         draft_size=max(preprocess_cfg["size"]) if isinstance(preprocess_cfg["size"], (list, tuple))
         else preprocess_cfg["size"],
+        labels=any(t.name in STATEFUL for t in cfg.loss),  # region purity
     )
     position = StreamPosition(plan)
     if saved is not None:
@@ -140,11 +140,16 @@ def setup(cfg: ExperimentConfig) -> Run:
     opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
                             betas=cfg.optim.betas, eps=cfg.optim.eps)
     model, opt = acc.prepare(model, opt)
+    objective.to(acc.device)
     target_encoder = load_target_encoder(cfg.targets.model, str(acc.device)) if targets == "online" else None
 
     records: list[dict[str, Any]] = []
     if saved is not None:
         acc.load_state(str(ckpt))  # model (safetensors), optimizer and RNG states (torch.load weights_only)
+        if objective.state_dict():  # region weighting: bank, centroids, weights
+            from mmpretrain.checkpoint import load_objective_state
+
+            load_objective_state(objective, ckpt)
         log_path = run_dir / "log.jsonl"
         if log_path.is_file():  # records after the checkpoint belong to the interrupted attempt
             records = [r for r in map(json.loads, log_path.read_text().splitlines()) if r["step"] <= saved["step"]]
@@ -208,8 +213,11 @@ def train_step(run: Run, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         ok.append(not bad.item())
         return ok[-1]
 
+    labels = batch.get("labels")
+    kw = {"step": run.step, "epoch": run.samples // run.schedule["num_samples"] + 1,
+          "labels": None if labels is None else labels.to(acc.device, non_blocking=True)}
     out = forward_backward(acc, run.model, run.objective, images, tokens, targets, check=finite,
-                           micro_batch=cfg.train.micro_batch_size, mode=cfg.train.micro_batch_mode)
+                           micro_batch=cfg.train.micro_batch_size, mode=cfg.train.micro_batch_mode, objective_kwargs=kw)
     out["lr"] = torch.tensor(lr)
     if not ok[-1]:
         terms = ", ".join(f"{k}={float(v):.4g}" for k, v in out.items() if k.endswith(("_loss", "_unweighted")))
@@ -266,9 +274,10 @@ def fit(run: Run) -> dict[str, Any]:
         if cfg.eval is not None and (run.step % cfg.eval.every == 0 or end):
             run.write(evaluate(run))
         if cfg.train.save_every and run.step % cfg.train.save_every == 0 and not end:
-            _push(run, save_checkpoint(acc, run.run_dir, run.step, _train_state(run), cfg.train.keep_last))
+            _push(run, save_checkpoint(acc, run.run_dir, run.step, _train_state(run), cfg.train.keep_last,
+                                       run.objective.state_dict()))
     bar.close()
-    ckpt = save_checkpoint(acc, run.run_dir, run.step, _train_state(run), cfg.train.keep_last)
+    ckpt = save_checkpoint(acc, run.run_dir, run.step, _train_state(run), cfg.train.keep_last, run.objective.state_dict())
     _push(run, ckpt)
     if run.log is not None:
         plot_run(run.log.records, run.histograms, run.run_dir / "plots")

@@ -341,8 +341,9 @@ class SampleDecoder:
     ``draft_size``: JPEGs are decoded at the smallest DCT scale still at least this large (Pillow's
     draft mode), which is most of the decoding cost saved for web images larger than the model input."""
 
-    def __init__(self, transform, embeddings: str = "optional", draft_size: int | None = None):
+    def __init__(self, transform, embeddings: str = "optional", draft_size: int | None = None, labels: bool = False):
         self.transform = transform
+        self.labels = labels
         self.embeddings = embeddings
         self.draft_size = draft_size
 
@@ -388,7 +389,23 @@ class SampleDecoder:
         out: dict[str, Any] = {"image": image, "text": caption, "key": raw["__key__"]}
         if emb is not None:
             out["emb"] = emb
+        if self.labels:
+            out["label"] = sample_label(raw)
         return out
+
+
+def sample_label(raw: dict[str, Any]) -> int:
+    """The class index of a sample (webdataset's ``cls``, else ``label`` in its ``json``); -1 when absent.
+    Only diagnostics read it (region purity), so an unreadable one counts as absent."""
+    try:
+        if "cls" in raw:
+            return int(raw["cls"].decode().strip())
+        if "json" in raw:
+            label = json.loads(raw["json"]).get("label")
+            return int(label) if isinstance(label, int) else -1
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        pass
+    return -1
 
 
 def collate(items: list[dict[str, Any]], tokenizer=None) -> dict[str, Any]:
@@ -401,6 +418,8 @@ def collate(items: list[dict[str, Any]], tokenizer=None) -> dict[str, Any]:
         batch["tokens"] = tokenizer(batch["texts"])
     if all("emb" in it for it in items):
         batch["target_embeddings"] = torch.stack([it["emb"] for it in items])
+    if all("label" in it for it in items):
+        batch["labels"] = torch.tensor([it["label"] for it in items], dtype=torch.long)
     return batch
 
 

@@ -16,6 +16,7 @@ from torch import nn
 from mmpretrain.losses.align_uniform import AlignUniformLoss
 from mmpretrain.losses.clip import ClipLoss
 from mmpretrain.losses.cwcl import CwclLoss
+from mmpretrain.losses.regions import RegionLoss
 from mmpretrain.losses.sigmoid import SigmoidLoss
 from mmpretrain.losses.soft_target import SoftTargetLoss
 from mmpretrain.losses.vrn import VrnLoss
@@ -27,10 +28,22 @@ LOSSES: dict[str, type[nn.Module]] = {
     "cwcl": CwclLoss,
     "vrn": VrnLoss,
     "align_uniform": AlignUniformLoss,
+    "regions": RegionLoss,
 }
 
 # objectives whose forward needs the frozen caption embeddings
 NEEDS_TARGETS = frozenset({"soft_target", "cwcl"})
+
+# objectives whose forward uses the step, the epoch and the labels, and that keep state (checkpointed)
+STATEFUL = frozenset({"regions"})
+
+
+def needs_targets(term: dict) -> bool:
+    """Whether a config loss term (``{"name", "options"}``) needs the frozen caption embeddings."""
+    options = term.get("options") or {}
+    if term["name"] == "regions":
+        return options.get("space", "image") == "target" or options.get("base", "clip") in NEEDS_TARGETS
+    return term["name"] in NEEDS_TARGETS
 
 
 class WeightedObjective(nn.Module):
@@ -85,5 +98,5 @@ def build_objective(terms: Sequence[dict], rank: int = 0, world_size: int = 1,
     return WeightedObjective(built)
 
 
-__all__ = ["LOSSES", "NEEDS_TARGETS", "AlignUniformLoss", "ClipLoss", "CwclLoss", "SigmoidLoss", "SoftTargetLoss",
-           "VrnLoss", "WeightedObjective", "build_objective"]
+__all__ = ["LOSSES", "NEEDS_TARGETS", "STATEFUL", "AlignUniformLoss", "RegionLoss", "ClipLoss", "CwclLoss", "SigmoidLoss", "SoftTargetLoss",
+           "VrnLoss", "WeightedObjective", "build_objective", "needs_targets"]
