@@ -38,9 +38,10 @@ test: setup
 test-slow: setup
 	$(BIN)/python -m pytest -m slow -q
 
-# Every scripts/bench_*.py, each writing bench_results/<name>.json (slow: minutes each).
+# Every scripts/bench_*.py, each writing bench_results/<name>.json (slow: minutes each), then the README table.
 bench: setup
 	for f in scripts/bench_*.py; do $(BIN)/python $$f || exit 1; done
+	$(BIN)/python scripts/perf_table.py --write
 
 lint: setup
 	$(BIN)/ruff check mmpretrain data_tools tests scripts

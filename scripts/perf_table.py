@@ -1,0 +1,88 @@
+"""The README's performance table, generated from bench_results/*.json (the contracts.md schema).
+
+    python scripts/perf_table.py            print the table
+    python scripts/perf_table.py --write    replace the table between the README's perf-table markers
+
+``make bench`` runs every scripts/bench_*.py and then this with --write; a test keeps the README's
+table equal to what the committed JSON files say.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench_results"
+START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
+
+# what each bench compares (the JSON says how it came out)
+WHAT = {
+    "train": "training samples/s, `mmpretrain.train` / open_clip_train `main`: same tiny ViT, shards, batch, workers, fp32",
+    "loader": "training-stream images/s / open_clip_train `get_wds_dataset` (256 px JPEG shards, 32 px input)",
+    "loss": "clip tiled / open_clip `ClipLoss`, loss-internal peak memory at B = 16,384",
+    "regions": "training step, region-weighted CLIP [5, 10, 20] / plain CLIP (tiny config, k-means every 20 steps)",
+    "eval": "zero-shot images/s, `mmpretrain.eval` / clip_benchmark (5,000 MNIST digits)",
+    "embed": "`data_tools embed` / raw `SentenceTransformer.encode`, sentences/s",
+}
+ORDER = ["train", "loader", "loss", "regions", "eval", "embed"]
+
+
+def fmt(x: float) -> str:
+    return f"{x:.2g}" if x < 0.1 else f"{x:.2f}"
+
+
+def rows() -> list[str]:
+    found = {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))}
+    out = ["| bench | measured (spread over repeats) | target | command |", "|---|---|---|---|"]
+    for name in sorted(found, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n)):
+        d = found[name]
+        lo, hi = d["spread"]
+        better = "higher is better" if d["higher_is_better"] else "lower is better"
+        measured = f"**{fmt(d['ratio'])}×** ({fmt(lo)}–{fmt(hi)}, {len(d['runs'])} run{'s' * (len(d['runs']) > 1)})"
+        target = f"{'≥' if d['higher_is_better'] else '≤'} {fmt(d['target'])}× ({better})"
+        out.append(f"| {name}: {WHAT.get(name, name)} | {measured} | {target} | `{d['command']}` |")
+        extra = d.get("extra", {})
+        if name == "loss":
+            for obj in ("clip", "sigmoid", "soft_target"):
+                if obj in extra:
+                    e = extra[obj]
+                    out.append(f"| loss: {obj} (tiled) memory / time vs its anchor | {fmt(e['memory_ratio'])}× / "
+                               f"{fmt(e['time_ratio'])}× | – | `{d['command']}` |")
+        for key, label, target in (("soft_target_ratio", "CLIP + soft-target / CLIP, seconds per step", "≤ 1.03×"),
+                                   ("regions_ratio", "region-weighted / plain CLIP, seconds per step", "≤ 1.10×")):
+            if key in extra:
+                runs = extra.get(key + "_runs", [extra[key]])
+                out.append(f"| {name}: {label} | **{fmt(extra[key])}×** ({fmt(min(runs))}–{fmt(max(runs))}) | "
+                           f"{target} (lower is better) | `{d['command']}` |")
+    return out
+
+
+def table() -> str:
+    return "\n".join(rows())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--write", action="store_true", help="rewrite the README's table")
+    args = p.parse_args()
+    text = table()
+    if not args.write:
+        print(text)
+        return 0
+    readme = ROOT / "README.md"
+    doc = readme.read_text()
+    if START not in doc or END not in doc:
+        print(f"error: README.md lacks the {START} ... {END} markers", file=sys.stderr)
+        return 2
+    head, rest = doc.split(START, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{START}\n{text}\n{END}{tail}")
+    print(f"README.md performance table: {len(text.splitlines()) - 2} rows")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
