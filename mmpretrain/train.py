@@ -137,8 +137,9 @@ def setup(cfg: ExperimentConfig) -> Run:
     stream = TrainStream(plan, decoder, rank, start=position.state() if saved is not None else None,
                          tokenizer=None if cfg.model.text_from_targets else factory.make_tokenizer(model_cfg))
     loader = make_loader(stream, cfg.data.num_workers, pin_memory=acc.device.type == "cuda")
-    opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
-                            betas=cfg.optim.betas, eps=cfg.optim.eps)
+    impl = cfg.optim.implementation
+    opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr, betas=cfg.optim.betas,
+                            eps=cfg.optim.eps, fused=impl == "fused" or None, foreach=impl == "foreach")
     model, opt = acc.prepare(model, opt)
     objective.to(acc.device)
     target_encoder = load_target_encoder(cfg.targets.model, str(acc.device)) if targets == "online" else None
