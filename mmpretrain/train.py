@@ -276,9 +276,9 @@ def fit(run: Run) -> dict[str, Any]:
             run.write(evaluate(run))
         if cfg.train.save_every and run.step % cfg.train.save_every == 0 and not end:
             _push(run, save_checkpoint(acc, run.run_dir, run.step, _train_state(run), cfg.train.keep_last,
-                                       run.objective.state_dict()))
+                                       _objective_state(run)))
     bar.close()
-    ckpt = save_checkpoint(acc, run.run_dir, run.step, _train_state(run), cfg.train.keep_last, run.objective.state_dict())
+    ckpt = save_checkpoint(acc, run.run_dir, run.step, _train_state(run), cfg.train.keep_last, _objective_state(run))
     _push(run, ckpt)
     if run.log is not None:
         plot_run(run.log.records, run.histograms, run.run_dir / "plots")
@@ -299,6 +299,12 @@ def _push(run: Run, ckpt: Path) -> None:
     create_repo(hub.repo_id, private=hub.private, exist_ok=True)
     upload_folder(repo_id=hub.repo_id, folder_path=str(ckpt), path_in_repo=f"checkpoints/{ckpt.name}",
                   revision=hub.revision, commit_message=f"checkpoint at step {run.step}")
+
+
+def _objective_state(run: Run) -> dict[str, torch.Tensor] | None:
+    """A stateful objective's tensors (region weighting's bank, centroids, weights), else None."""
+    state = getattr(run.objective, "state_dict", None)
+    return state() if state is not None else None
 
 
 def _train_state(run: Run) -> dict[str, Any]:

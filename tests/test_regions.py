@@ -71,10 +71,13 @@ def test_one_region_equals_the_base_objective(base):
         torch.testing.assert_close(a, b, **TOL)
 
 
-def test_region_loss_uses_only_in_region_negatives_and_the_previous_weights():
+@pytest.mark.parametrize("masked", [True, False], ids=["one-masked-pass", "per-region-calls"])
+def test_region_loss_uses_only_in_region_negatives_and_the_previous_weights(masked):
     x, y, e = clustered_batch()
     module = with_centroids(LOSSES["regions"](scales=[1, 4], bank_size=64, refresh_every=10**6, eta0=0.3),
                             [x.detach().mean(0, keepdim=True), e])
+    assert module._masked_clip  # clip's default path
+    module._masked_clip = masked
     assign = torch.cdist(x.detach(), e).argmin(1)
     assert torch.bincount(assign, minlength=4).tolist() == [6, 6, 1, 0]
 
@@ -183,8 +186,9 @@ def test_queue_adds_in_region_negatives():
     torch.testing.assert_close(out["regions_loss"], ref, **TOL)
 
 
-def _ranks(rank, world, steps, b):
+def _ranks(rank, world, steps, b, masked=True):
     module = LOSSES["regions"](scales=[2, 3], bank_size=48, refresh_every=2, rank=rank, world_size=world)
+    module._masked_clip = masked
     res = []
     for step in range(steps):
         x, y, _ = feats(world * b, step)
@@ -196,10 +200,20 @@ def _ranks(rank, world, steps, b):
     return res, {k: v.clone() for k, v in module.state_dict().items()}
 
 
-def test_two_ranks_agree_with_each_other_and_with_one_process(tmp_path):
+def _both_paths(rank, world, steps, b):
+    return [_ranks(rank, world, steps, b, masked) for masked in (True, False)]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    return run_ranks(_both_paths, (5, 8), tmp_path_factory.mktemp("ddp_regions"), world=2)
+
+
+@pytest.mark.parametrize("path", [0, 1], ids=["one-masked-pass", "per-region-calls"])
+def test_two_ranks_agree_with_each_other_and_with_one_process(two_rank_runs, path):
     steps, b = 5, 8
-    (r0, s0), (r1, s1) = run_ranks(_ranks, (steps, b), tmp_path, world=2)
-    (one, s), = [_ranks(0, 1, steps, 2 * b)]
+    (r0, s0), (r1, s1) = two_rank_runs[0][path], two_rank_runs[1][path]
+    (one, s), = [_ranks(0, 1, steps, 2 * b, masked=path == 0)]
     # clustered at step 1 (32 samples banked), re-clustered at 3: same centroids, weights and bank on both
     # ranks, and as one process
     for k in s:

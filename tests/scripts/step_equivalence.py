@@ -40,7 +40,7 @@ def main(out_path: str) -> None:
                                     dataset_size=1000)
         opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr)
         model, opt = acc.prepare(model, opt)
-        run = Run(cfg, acc, model, objective, opt, None, {"total_steps": 5, "warmup_steps": 1}, None)
+        run = Run(cfg, acc, model, objective, opt, None, {"total_steps": 5, "warmup_steps": 1, "num_samples": 1000}, None)
         model.train()
         losses = []
         for step in range(steps):
