@@ -75,7 +75,8 @@ def read_train_state(ckpt: Path) -> dict[str, Any]:
 
 _RESUME_MAY_CHANGE = {"resume", "run_dir", "name", "train.steps", "train.epochs", "train.progress", "train.log_every",
                       "train.save_every", "train.keep_last", "train.nonfinite", "train.max_skipped_steps",
-                      "train.log_with", "train.diagnostics_every", "optim.implementation", "eval", "hub"}
+                      "train.log_with", "train.diagnostics_every", "optim.implementation", "data.worker_nice", "eval",
+                      "hub"}
 
 
 def flat_config(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -37,6 +37,8 @@ class DataConfig(_Strict):
     batch_size: int = Field(128, gt=0, description="per-rank batch size")
     num_workers: int = Field(2, ge=0)
     shuffle_buffer: int = Field(1000, ge=0, description="samples per shuffle block of each reader (0 or 1 = none)")
+    worker_nice: int = Field(10, ge=0, le=19, description="niceness added to the loader workers, so that on a "
+                             "saturated CPU the training threads keep their cores (0: same priority)")
 
     @model_validator(mode="after")
     def _mode_options(self):

@@ -136,7 +136,8 @@ def setup(cfg: ExperimentConfig) -> Run:
             raise ConfigError(str(e)) from None
     stream = TrainStream(plan, decoder, rank, start=position.state() if saved is not None else None,
                          tokenizer=None if cfg.model.text_from_targets else factory.make_tokenizer(model_cfg))
-    loader = make_loader(stream, cfg.data.num_workers, pin_memory=acc.device.type == "cuda")
+    loader = make_loader(stream, cfg.data.num_workers, pin_memory=acc.device.type == "cuda",
+                         worker_nice=cfg.data.worker_nice)
     impl = cfg.optim.implementation
     opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr, betas=cfg.optim.betas,
                             eps=cfg.optim.eps, fused=impl == "fused" or None, foreach=impl == "foreach")

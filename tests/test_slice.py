@@ -38,6 +38,31 @@ def test_frozen_minilm_text_from_targets_is_exact():
     torch.testing.assert_close(via_targets, via_tower, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["mmpt-tiny-vit", "ViT-B-32"])
+def test_trimmed_text_padding_is_the_same_function(arch):
+    """The trainer drops the batch's trailing padding columns before the causal text tower: same
+    features and gradients as open_clip's encode_text over the full context."""
+    from mmpretrain.models.factory import (
+        build_dual_encoder,
+        encode_text_trimmed,
+        make_tokenizer,
+        resolve_model_cfg,
+    )
+
+    cfg = resolve_model_cfg(arch)
+    torch.manual_seed(0)
+    model = build_dual_encoder(cfg, lock_text=False, text_from_targets=False).double().train()
+    tokens = make_tokenizer(cfg)(["grinning cat face with smiling eyes", "black large square", "moon"])
+    assert (tokens[:, 12:] == 0).all() and tokens.shape[1] >= 32  # most of the context is padding
+    full = model.clip.encode_text(tokens, normalize=True)
+    trimmed = encode_text_trimmed(model.clip, tokens)
+    torch.testing.assert_close(trimmed, full, rtol=1e-9, atol=1e-12)
+    w = model.clip.transformer.resblocks[-1].mlp.c_fc.weight
+    g_full, = torch.autograd.grad((full * torch.arange(full.shape[1])).sum(), w)
+    g_trim, = torch.autograd.grad((trimmed * torch.arange(full.shape[1])).sum(), w)
+    torch.testing.assert_close(g_trim, g_full, rtol=1e-9, atol=1e-12)
+
+
 def test_slice_train_eval_export_reload(openmoji, tmp_path):
     run_dir = tmp_path / "run"
     r = train(openmoji, run_dir)

@@ -582,7 +582,19 @@ def check_shard_count(num_shards: int, world_size: int, num_workers: int) -> Non
         )
 
 
-def make_loader(stream: TrainStream, num_workers: int, pin_memory: bool = False) -> DataLoader:
+def _lower_priority(nice: int):
+    def init(worker_id: int) -> None:
+        import os
+
+        os.nice(nice)
+
+    return init
+
+
+def make_loader(stream: TrainStream, num_workers: int, pin_memory: bool = False, worker_nice: int = 0) -> DataLoader:
+    """``worker_nice``: added to the workers' niceness. With the CPU saturated (training on CPU, or
+    decoding-bound GPU hosts) the training process's threads then keep their cores and the workers,
+    which run ahead by ``prefetch_factor`` batches, fill the gaps."""
     import sys
 
     return DataLoader(
@@ -593,4 +605,5 @@ def make_loader(stream: TrainStream, num_workers: int, pin_memory: bool = False)
         pin_memory=pin_memory,
         prefetch_factor=4 if num_workers > 0 else None,
         multiprocessing_context="fork" if num_workers and sys.platform == "linux" else None,
+        worker_init_fn=_lower_priority(worker_nice) if num_workers and worker_nice else None,
     )

@@ -91,6 +91,35 @@ def make_tokenizer(model_cfg: dict):
     return open_clip.tokenizer.SimpleTokenizer(context_length=ctx)
 
 
+def encode_text_trimmed(clip: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """``clip.encode_text(tokens, normalize=True)`` over the batch's columns up to its last non-pad
+    token only. open_clip pads every caption to ``context_length`` (77 for CLIP, 32 for the tiny
+    towers) and runs the text transformer over the padding; under its causal mask no position sees
+    a later one, so with EOT (argmax/eos) or first-token pooling the trailing padding cannot change
+    the pooled feature, and dropping it is the same function at a fraction of the cost (tested to
+    1e-6 in value and gradient). Towers where that does not hold (no causal mask, last-token
+    pooling, a custom text tower) run unchanged."""
+    from open_clip.transformer import text_global_pool
+
+    mask = getattr(clip, "attn_mask", None)
+    pool = getattr(clip, "text_pool_type", None)
+    if (mask is None or pool not in ("argmax", "eos", "first") or not hasattr(clip, "token_embedding")
+            or tokens.dim() != 2):
+        return clip.encode_text(tokens, normalize=True)
+    used = (tokens != 0).any(0).nonzero()
+    length = int(used.max()) + 1 if used.numel() else 1
+    if length >= tokens.shape[1]:
+        return clip.encode_text(tokens, normalize=True)
+    tokens = tokens[:, :length]
+    cast = clip.transformer.get_cast_dtype()
+    x = clip.token_embedding(tokens).to(cast) + clip.positional_embedding[:length].to(cast)
+    x = clip.transformer(x, attn_mask=mask[:length, :length])
+    x = text_global_pool(clip.ln_final(x), tokens, pool, eos_token_id=getattr(clip, "text_eos_id", None))
+    if clip.text_projection is not None:
+        x = clip.text_projection(x) if isinstance(clip.text_projection, nn.Linear) else x @ clip.text_projection
+    return F.normalize(x, dim=-1)
+
+
 class DualEncoder(nn.Module):
     """The trained module: an open_clip model plus the precomputed-text shortcut.
 
@@ -124,7 +153,7 @@ class DualEncoder(nn.Module):
         if self.text_from_targets:
             text_features = F.normalize(self.clip.text.proj(target_embeddings.to(image_features.dtype)), dim=-1)
         else:
-            text_features = self.clip.encode_text(tokens, normalize=True)
+            text_features = encode_text_trimmed(self.clip, tokens)
         return {
             "image_features": image_features,
             "text_features": text_features,

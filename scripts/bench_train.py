@@ -1,0 +1,195 @@
+"""End-to-end training throughput: ``python -m mmpretrain.train`` against open_clip_train's own
+``main`` on the same model, shards, transform, tokenizer, batch, workers, precision and steps,
+alternating in one run; plus the cost of the soft-target and region-weighting objectives over plain
+CLIP in our trainer.
+
+    python scripts/bench_train.py [--steps 50] [--repeats 3] [--batch-size 128] [--workers 2]
+                                  [--shard-px 256] [--arch mmpt-tiny-vit]
+
+Data: the packaged OpenMoji emoji built by ``data_tools build demo:openmoji`` as --shard-px JPEG
+shards (web data as img2dataset writes it) and embedded with all-MiniLM-L6-v2 (``data_tools embed``),
+in a temporary folder. Model: the packaged ``mmpt-tiny-vit`` (32 px ViT and a 4-layer text
+transformer, ~8M trainable parameters in both towers), fp32, AdamW (lr 1e-3, betas 0.9/0.98, eps
+1e-6, wd 0.1, 20 warm-up steps), registered with open_clip so both trainers build it from the same
+JSON. Both sample shards with replacement for exactly --steps batches (open_clip:
+``--dataset-resampled --train-num-samples``, ours: ``data.mode=resampled data.num_samples``).
+
+Variants, each a fresh process per repeat, order rotated per repeat:
+``open_clip`` (open_clip_train.main), ``ours`` (CLIP), ``ours_soft`` (CLIP + 0.5 soft-target CLIP,
+as the demo), ``ours_regions`` (region-weighted CLIP, scales [5, 10, 20], active from step 0, k-means
+every 20 steps). Throughput is each trainer's own per-window wall time (10 steps between log lines,
+data waiting included), the first window (start-up) dropped, median over windows; peak RSS is the
+process tree's (trainer + loader workers), polled every 0.2 s; the loss is the last logged one.
+Writes bench_results/train.json: ratio = ours / open_clip samples/s (higher is better), with
+``soft_target_ratio`` and ``regions_ratio`` (seconds per step over plain CLIP, lower is better) in
+``extra``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import table, write_result  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+LOG_EVERY = 10
+
+OPEN_CLIP_MAIN = (
+    "import sys, open_clip; open_clip.add_model_config(sys.argv[1]); "
+    "from open_clip_train.main import main; main(sys.argv[2:])"
+)
+
+
+def run_tree(cmd: list[str], env: dict) -> tuple[float, int, subprocess.CompletedProcess]:
+    """Run ``cmd``; returns wall seconds, the peak RSS (bytes) of its process tree, and the result."""
+    import psutil
+
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak, ps = 0, psutil.Process(proc.pid)
+    out_chunks: list[str] = []
+    import threading
+
+    def drain(stream, sink):
+        sink.append(stream.read())
+
+    err: list[str] = []
+    threads = [threading.Thread(target=drain, args=(proc.stdout, out_chunks)),
+               threading.Thread(target=drain, args=(proc.stderr, err))]
+    for t in threads:
+        t.start()
+    while proc.poll() is None:
+        try:
+            rss = ps.memory_info().rss + sum(c.memory_info().rss for c in ps.children(recursive=True))
+            peak = max(peak, rss)
+        except psutil.Error:
+            pass
+        time.sleep(0.2)
+    for t in threads:
+        t.join()
+    res = subprocess.CompletedProcess(cmd, proc.returncode, "".join(out_chunks), "".join(err))
+    return time.perf_counter() - t0, peak, res
+
+
+def open_clip_cmd(data: Path, pattern: str, out: Path, args) -> list[str]:
+    return [sys.executable, "-c", OPEN_CLIP_MAIN, str(ROOT / "mmpretrain/model_configs"),
+            "--train-data", pattern, "--dataset-type", "webdataset", "--dataset-resampled",
+            "--train-num-samples", str(args.steps * args.batch_size), "--batch-size", str(args.batch_size),
+            "--workers", str(args.workers), "--epochs", "1", "--precision", "fp32", "--model", args.arch,
+            "--lr", "1e-3", "--beta1", "0.9", "--beta2", "0.98", "--eps", "1e-6", "--wd", "0.1", "--warmup", "20",
+            "--log-every-n-steps", str(LOG_EVERY), "--logs", str(out), "--name", "run", "--save-frequency", "0",
+            "--report-to", "", "--seed", "0", "--device", "cpu"]
+
+
+def ours_cmd(data: Path, out: Path, args, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "mmpretrain.train", "--config", str(ROOT / "configs/tiny/clip.yaml"),
+            f"data.train={data}", f"run_dir={out}", "data.mode=resampled",
+            f"data.num_samples={args.steps * args.batch_size}", f"data.batch_size={args.batch_size}",
+            f"data.num_workers={args.workers}", f"model.arch={args.arch}", "optim.warmup_steps=20",
+            "train.epochs=null", f"train.steps={args.steps}", f"train.log_every={LOG_EVERY}",
+            "train.progress=false", "train.save_every=null", "train.diagnostics_every=null", "optim.grad_clip_norm=null",
+            *overrides]
+
+
+OURS = {  # variant -> overrides of configs/tiny/clip.yaml
+    "ours": ["loss=[{name: clip}]"],
+    "ours_soft": ["loss=[{name: clip}, {name: soft_target, weight: 0.5, options: {target_temperature: 0.05}}]"],
+    "ours_regions": ["loss=[{name: regions, options: {base: clip, scales: [5, 10, 20], bank_size: 1024, "
+                     "refresh_every: 20}}]"],
+    # ablations (not in the default set): open_clip_train's optimizer kernel, workers at full priority
+    "ours_for_loop_adamw": ["loss=[{name: clip}]", "optim.implementation=for_loop"],
+    "ours_worker_nice0": ["loss=[{name: clip}]", "data.worker_nice=0"],
+}
+DEFAULT = ["open_clip", "ours", "ours_soft", "ours_regions"]
+
+
+def throughput_open_clip(log: str, batch: int) -> tuple[float, float | None]:
+    """Median samples/s over the logged windows (the first, start-up, dropped) and the last loss."""
+    windows = [float(x) for x in re.findall(r"Batch \(t\): ([0-9.]+),", log)]
+    losses = re.findall(r"Contrastive_loss: ([0-9.]+)", log)
+    return batch / statistics.median(windows[1:] or windows), float(losses[-1]) if losses else None
+
+
+def throughput_ours(run: Path) -> tuple[float, float | None]:
+    recs = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
+    rates = [r["samples_per_s"] for r in recs]
+    return statistics.median(rates[1:] or rates), recs[-1]["loss"] if recs else None
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--shard-px", type=int, default=256)
+    p.add_argument("--arch", default="mmpt-tiny-vit")
+    p.add_argument("--variants", nargs="+", default=DEFAULT, choices=["open_clip", *OURS])
+    args = p.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the embed step below loads MiniLM from the seeded cache
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+    from data_tools.build import build
+    from data_tools.embed import embed
+
+    results: dict[str, list[dict]] = {v: [] for v in args.variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "openmoji"
+        build("demo:openmoji", root, image_size=args.shard_px, shard_size=100, image_format="jpg")
+        data = root / "train"
+        embed(data, "sentence-transformers/all-MiniLM-L6-v2")
+        shards = sorted(x.name for x in data.glob("*.tar"))
+        pattern = str(data / f"openmoji-train-{{000000..{len(shards) - 1:06d}}}.tar")
+        for rep in range(args.repeats):
+            order = args.variants[rep % len(args.variants):] + args.variants[:rep % len(args.variants)]
+            for v in order:
+                out = Path(tmp) / f"{v}_{rep}"
+                cmd = open_clip_cmd(data, pattern, out, args) if v == "open_clip" else ours_cmd(data, out, args, OURS[v])
+                wall, rss, res = run_tree(cmd, env)
+                if res.returncode != 0:
+                    print(res.stdout[-2000:], res.stderr[-4000:], file=sys.stderr)
+                    raise SystemExit(f"{v} failed (exit {res.returncode})")
+                if v == "open_clip":
+                    rate, loss = throughput_open_clip((out / "run/out.log").read_text(), args.batch_size)
+                else:
+                    rate, loss = throughput_ours(out)
+                results[v].append({"samples_per_s": rate, "peak_rss_mb": rss / 2**20, "loss": loss, "wall_s": wall})
+                print(f"repeat {rep + 1} {v}: {rate:.1f} samples/s, peak RSS {rss / 2**20:.0f} MiB, "
+                      f"loss {loss:.3f}, {wall:.0f} s", flush=True)
+
+    def med(v, k):
+        return statistics.median(r[k] for r in results[v])
+
+    rows = [(v, f"{med(v, 'samples_per_s'):.1f}", f"{med(v, 'peak_rss_mb'):.0f}", f"{med(v, 'loss'):.3f}")
+            for v in args.variants]
+    print(table(rows, ("variant", "samples/s", "peak RSS MiB", f"loss at step {args.steps}")))
+    extra: dict = {"steps": args.steps, "batch_size": args.batch_size, "workers": args.workers, "arch": args.arch,
+                   "shard_px": args.shard_px, "per_variant": results}
+    ratios: list[float] = []
+    if "open_clip" in results and "ours" in results:
+        ratios = [o["samples_per_s"] / a["samples_per_s"] for o, a in zip(results["ours"], results["open_clip"])]
+        extra["rss_ratio"] = round(med("ours", "peak_rss_mb") / med("open_clip", "peak_rss_mb"), 3)
+    for v, key in (("ours_soft", "soft_target_ratio"), ("ours_regions", "regions_ratio"),
+                   ("ours_for_loop_adamw", "for_loop_adamw_ratio"), ("ours_worker_nice0", "worker_nice0_ratio")):
+        if v in results and "ours" in results:  # seconds per step over plain CLIP, same repeat
+            runs = [b["samples_per_s"] / r["samples_per_s"] for r, b in zip(results[v], results["ours"])]
+            extra[key] = round(statistics.median(runs), 4)
+            extra[key + "_runs"] = [round(x, 4) for x in runs]
+            print(f"{key}: {extra[key]:.3f} (runs {', '.join(f'{x:.3f}' for x in runs)}; lower is better)")
+    if ratios:
+        path = write_result("train", statistics.median(ratios), True, 1.2, ratios, extra)
+        print(f"ratio {statistics.median(ratios):.3f} (ours / open_clip_train samples/s; target >= 1.2) -> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
