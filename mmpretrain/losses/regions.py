@@ -307,8 +307,9 @@ class RegionLoss(nn.Module):
                 sizes = torch.bincount(assign, minlength=m)
             present = sizes >= 2
             tag = f"regions/m{m}"
-            out[f"{tag}/sizes"] = sizes.detach().cpu()
-            out[f"{tag}/skipped"] = (~present).sum().float().cpu()
+            # diagnostics stay on the device: the trainer copies them to the host on logging steps only
+            out[f"{tag}/sizes"] = sizes.detach()
+            out[f"{tag}/skipped"] = (~present).sum().float()
             if all_labels is not None:
                 out[f"{tag}/purity"] = _purity(assign, all_labels, m)
             if active and bool(present.any()):
@@ -336,9 +337,9 @@ class RegionLoss(nn.Module):
                         log_q.copy_(hedge_update(log_q, losses.to(log_q.dtype), present, eta))
             q = self.q(j)
             if active:
-                out[f"{tag}/losses"] = losses.float().cpu() if bool(present.any()) else torch.zeros(m)
-            out[f"{tag}/q_entropy"] = -(q * q.clamp_min(1e-300).log()).sum().float().cpu()
-            out[f"{tag}/q_max"] = q.max().float().cpu()
+                out[f"{tag}/losses"] = losses.float() if bool(present.any()) else torch.zeros(m)
+            out[f"{tag}/q_entropy"] = -(q * q.clamp_min(1e-300).log()).sum().float()
+            out[f"{tag}/q_max"] = q.max().float()
         if self.queue_size:
             with torch.no_grad():
                 ok = finite & torch.isfinite(all_x).all(1) & torch.isfinite(all_y).all(1)
@@ -382,4 +383,4 @@ def _purity(assign: torch.Tensor, labels: torch.Tensor, m: int) -> torch.Tensor:
     a, y = assign[known], labels[known]
     k = int(y.max()) + 1
     counts = torch.bincount(a * k + y, minlength=m * k).view(m, k)
-    return (counts.max(1).values.sum() / known.sum()).float().cpu()
+    return (counts.max(1).values.sum() / known.sum()).float()
