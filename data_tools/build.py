@@ -9,7 +9,7 @@ from pathlib import Path
 import webdataset as wds
 
 from mmpretrain.data.manifest import SIZES, read_sizes, write_json_atomic
-from mmpretrain.data.shards import iter_samples
+from mmpretrain.data.tar import read_tar
 
 DEMO_SOURCES = ("demo:openmoji",)
 
@@ -87,7 +87,7 @@ def build_openmoji(out: Path, image_size: int, shard_size: int, limit: int | Non
     # The labelled held-out samples, again in clip_benchmark's layout (DIR is its dataset root).
     labelled = []
     for shard in sorted(read_sizes(out / "test")):
-        for s in iter_samples(out / "test" / shard):
+        for s in read_tar(out / "test" / shard):
             meta = json.loads(s["json"])
             if "label" in meta:
                 labelled.append(

@@ -11,12 +11,14 @@ from __future__ import annotations
 import io
 import json
 import os
-import tarfile
 from pathlib import Path
 
 import numpy as np
+import webdataset as wds
 
 from mmpretrain.data.manifest import MANIFEST, SIZES, read_manifest, read_sizes, write_json_atomic
+from mmpretrain.data.tar import UNREADABLE, read_tar
+from mmpretrain.launch import current_process
 
 MARKERS = ".embed"  # per-shard completion records: {model, dim, count}
 
@@ -63,63 +65,35 @@ def _shard_done(folder: Path, shard: str, model: str) -> bool:
     return p.is_file() and json.loads(p.read_text()).get("model") == model
 
 
-def _split_name(name: str) -> tuple[str, str]:
-    """WebDataset's rule: the key is the path up to the first dot of the base name."""
-    d, _, base = name.rpartition("/")
-    key, _, ext = base.partition(".")
-    return (d + "/" + key if d else key), ext
-
-
-def _read_shard(folder: Path, name: str, expected: int) -> tuple[list[tuple[tarfile.TarInfo, bytes]], list[str]]:
-    """The shard's members, raw (copied through untouched), and its captions in sample order."""
-    members, captions, keys = [], [], []
-    with tarfile.open(folder / name) as tf:
-        for ti in tf:
-            if not ti.isreg():
-                continue
-            key, ext = _split_name(ti.name)
-            if ext == "emb.npy":
-                continue  # replaced
-            data = tf.extractfile(ti).read()
-            members.append((ti, data))
-            if not keys or keys[-1] != key:
-                keys.append(key)
-                captions.append(None)
-            if ext == "txt":
-                captions[-1] = data.decode("utf-8")
-    if len(keys) != expected or any(c is None for c in captions):
-        raise EmbedError(f"{folder / name}: {len(keys)} samples ({sum(c is None for c in captions)} without a "
+def _read_shard(folder: Path, name: str, expected: int) -> tuple[list[dict], list[str]]:
+    """The shard's samples (members copied through untouched, any old embedding dropped) and their
+    captions in sample order."""
+    samples, captions = [], []
+    try:
+        for s in read_tar(folder / name):
+            s.pop("emb.npy", None)  # replaced
+            samples.append(s)
+            captions.append(s["txt"].decode("utf-8") if "txt" in s else None)
+    except UNREADABLE as e:
+        raise EmbedError(f"{folder / name}: unreadable after {len(samples)} samples ({e.__class__.__name__}: {e}); "
+                         "run `data_tools verify` and rebuild the shard") from None
+    if len(samples) != expected or any(c is None for c in captions):
+        raise EmbedError(f"{folder / name}: {len(samples)} samples ({sum(c is None for c in captions)} without a "
                          f"caption), sizes.json says {expected}; run `data_tools verify` and rebuild the shard")
-    return members, captions
+    return samples, captions
 
 
-def _write_shard(folder: Path, name: str, model: str, members: list, embs: np.ndarray) -> int:
-    """Rewrite one shard with ``{key}.emb.npy`` after each sample's members (through .tmp + rename)."""
+def _write_shard(folder: Path, name: str, model: str, samples: list[dict], embs: np.ndarray) -> int:
+    """Rewrite one shard with ``{key}.emb.npy`` in each sample (webdataset's writer, through .tmp + rename)."""
     tmp = folder / (name + ".tmp")
-    k = -1
-    with tarfile.open(tmp, "w") as out:
-        def add_emb(key, ref):
+    with wds.TarWriter(str(tmp), encoder=False) as out:
+        for s, e in zip(samples, embs):
             buf = io.BytesIO()
-            np.save(buf, embs[k])
-            ti = tarfile.TarInfo(f"{key}.emb.npy")
-            ti.size, ti.mtime, ti.mode = len(buf.getvalue()), ref.mtime, ref.mode
-            out.addfile(ti, io.BytesIO(buf.getvalue()))
-
-        prev, last = None, None
-        for ti, data in members:
-            key, _ = _split_name(ti.name)
-            if key != prev:
-                if prev is not None:
-                    add_emb(prev, last)
-                k += 1
-                prev = key
-            out.addfile(ti, io.BytesIO(data))
-            last = ti
-        if prev is not None:
-            add_emb(prev, last)
+            np.save(buf, e)
+            out.write({**s, "emb.npy": buf.getvalue()})
     os.replace(tmp, folder / name)
-    write_json_atomic(_marker(folder, name), {"model": model, "dim": int(embs.shape[1]), "count": k + 1})
-    return k + 1
+    write_json_atomic(_marker(folder, name), {"model": model, "dim": int(embs.shape[1]), "count": len(samples)})
+    return len(samples)
 
 
 def embed_shards(folder: Path, names: list[str], sizes: dict[str, int], model: str, encoder, batch_size: int,
@@ -146,8 +120,8 @@ def embed_shards(folder: Path, names: list[str], sizes: dict[str, int], model: s
 
     def write(shards, embs):
         i = 0
-        for name, members, captions in shards:
-            _write_shard(folder, name, model, members, embs[i:i + len(captions)])
+        for name, samples, captions in shards:
+            _write_shard(folder, name, model, samples, embs[i:i + len(captions)])
             i += len(captions)
 
     total = 0
@@ -176,15 +150,13 @@ def embed(path: str | Path, model: str, *, overwrite: bool = False, batch_size: 
     folders = dataset_folders(path)
     for folder in folders:  # refuse before loading anything
         check_model(folder, model, overwrite)
-    from data_tools.parallel import rank_world
-
-    rank, world, state = rank_world()
+    proc = current_process()
+    rank, world = proc.rank, proc.world_size
     if overwrite and rank == 0:
         for folder in folders:
             for p in (folder / MARKERS).glob("*.json"):
                 p.unlink()
-    if state is not None:
-        state.wait_for_everyone()
+    proc.barrier()
     encoder = None
     results = []
     for folder in folders:
@@ -192,11 +164,10 @@ def embed(path: str | Path, model: str, *, overwrite: bool = False, batch_size: 
         names = sorted(sizes)
         todo = [n for k, n in enumerate(names) if k % world == rank and not _shard_done(folder, n, model)]
         if todo and encoder is None:
-            encoder = _load_encoder(model, device if device else (str(state.device) if state else None))
+            encoder = _load_encoder(model, device or proc.device)
         n = embed_shards(folder, todo, sizes, model, encoder, batch_size)
         results.append({"folder": str(folder), "embedded": n, "shards": len(todo)})
-    if state is not None:
-        state.wait_for_everyone()
+    proc.barrier()
     if rank == 0:
         for folder, res in zip(folders, results):
             names = sorted(read_sizes(folder))

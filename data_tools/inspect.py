@@ -11,8 +11,9 @@ import numpy as np
 from PIL import Image
 
 from data_tools.embed import dataset_folders
+from mmpretrain.data.decode import IMAGE_EXTS
 from mmpretrain.data.manifest import read_manifest, read_sizes
-from mmpretrain.data.shards import IMAGE_EXTS, iter_samples
+from mmpretrain.data.tar import UNREADABLE, read_tar
 
 # problems that make the folder unusable as listed (exit 1 even without --strict)
 FATAL = {"missing_shard", "unreadable_tar", "count_mismatch"}
@@ -30,49 +31,51 @@ def verify_folder(folder: Path) -> dict[str, list[str]]:
             problems["missing_shard"].append(f"{path}: listed in sizes.json but missing")
             continue
         count = 0
-
-        def on_error(exn, path=path):
-            problems["unreadable_tar"].append(f"{path}: {exn}")
-            return True
-
-        for s in iter_samples(path, handler=on_error):
-            count += 1
-            key = f"{path.name}:{s['__key__']}"
-            if s["__key__"] in seen:
-                problems["duplicate_key"].append(f"{key}: also in {seen[s['__key__']]}")
-            seen.setdefault(s["__key__"], path.name)
-            ext = next((e for e in IMAGE_EXTS if e in s), None)
-            if ext is None:
-                problems["missing_image"].append(f"{key}: no image member")
-            else:
-                try:
-                    Image.open(io.BytesIO(s[ext])).load()
-                except Exception as e:
-                    problems["undecodable_image"].append(f"{key}: {e.__class__.__name__}")
-            try:
-                if "txt" not in s:
-                    problems["missing_caption"].append(f"{key}: no txt member")
-                elif not s["txt"].decode("utf-8").strip():
-                    problems["empty_caption"].append(f"{key}: empty caption")
-            except UnicodeDecodeError:
-                problems["caption_not_utf8"].append(f"{key}: caption is not UTF-8")
-            if "json" in s:
-                try:
-                    json.loads(s["json"])
-                except ValueError:
-                    problems["bad_json"].append(f"{key}: json member does not parse")
-            if emb:
-                if "emb.npy" not in s:
-                    problems["missing_embedding"].append(f"{key}: no emb.npy but the manifest records embeddings")
-                else:
-                    v = np.load(io.BytesIO(s["emb.npy"]))
-                    if v.dtype != np.float16 or v.shape != (emb["dim"],):
-                        problems["bad_embedding"].append(f"{key}: {v.dtype}{v.shape}, expected float16({emb['dim']},)")
-                    elif abs(float(np.linalg.norm(v.astype(np.float32))) - 1) > 1e-2:
-                        problems["bad_embedding"].append(f"{key}: not L2-normalised")
+        try:
+            for s in read_tar(path):
+                count += 1
+                _check_sample(s, path, emb, seen, problems)
+        except UNREADABLE as e:
+            problems["unreadable_tar"].append(f"{path}: {e.__class__.__name__}: {e} (after {count} samples)")
         if count != expected:
             problems["count_mismatch"].append(f"{path}: {count} samples, sizes.json says {expected}")
     return dict(problems)
+
+
+def _check_sample(s: dict, path: Path, emb: dict, seen: dict[str, str], problems: dict[str, list[str]]) -> None:
+    key = f"{path.name}:{s['__key__']}"
+    if s["__key__"] in seen:
+        problems["duplicate_key"].append(f"{key}: also in {seen[s['__key__']]}")
+    seen.setdefault(s["__key__"], path.name)
+    ext = next((e for e in IMAGE_EXTS if e in s), None)
+    if ext is None:
+        problems["missing_image"].append(f"{key}: no image member")
+    else:
+        try:
+            Image.open(io.BytesIO(s[ext])).load()
+        except Exception as e:
+            problems["undecodable_image"].append(f"{key}: {e.__class__.__name__}")
+    try:
+        if "txt" not in s:
+            problems["missing_caption"].append(f"{key}: no txt member")
+        elif not s["txt"].decode("utf-8").strip():
+            problems["empty_caption"].append(f"{key}: empty caption")
+    except UnicodeDecodeError:
+        problems["caption_not_utf8"].append(f"{key}: caption is not UTF-8")
+    if "json" in s:
+        try:
+            json.loads(s["json"])
+        except ValueError:
+            problems["bad_json"].append(f"{key}: json member does not parse")
+    if emb:
+        if "emb.npy" not in s:
+            problems["missing_embedding"].append(f"{key}: no emb.npy but the manifest records embeddings")
+        else:
+            v = np.load(io.BytesIO(s["emb.npy"]))
+            if v.dtype != np.float16 or v.shape != (emb["dim"],):
+                problems["bad_embedding"].append(f"{key}: {v.dtype}{v.shape}, expected float16({emb['dim']},)")
+            elif abs(float(np.linalg.norm(v.astype(np.float32))) - 1) > 1e-2:
+                problems["bad_embedding"].append(f"{key}: not L2-normalised")
 
 
 def verify(path: str | Path) -> dict[str, dict[str, list[str]]]:
@@ -84,7 +87,7 @@ def stats_folder(folder: Path, plot: bool = True) -> dict:
     words, widths, heights, labels = [], [], [], Counter()
     with_emb = 0
     for name in sorted(sizes):
-        for s in iter_samples(folder / name):
+        for s in read_tar(folder / name):
             words.append(len(s.get("txt", b"").decode("utf-8", "replace").split()))
             if "json" in s:
                 meta = json.loads(s["json"])

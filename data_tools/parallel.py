@@ -23,6 +23,7 @@ from data_tools import __version__
 from data_tools.images import BadImage, encode, prepare
 from data_tools.sources.records import DUPLICATE_KEY, decode_caption, decode_image
 from mmpretrain.data.manifest import MANIFEST, SIZES, write_json_atomic
+from mmpretrain.launch import current_process
 
 STATS_DIR = ".build"
 
@@ -121,24 +122,14 @@ def _duplicates(source, chunks: list, names: list[str]) -> dict[str, set[str]]:
     return per
 
 
-def rank_world() -> tuple[int, int, Any]:
-    """``(rank, world size, accelerate state or None)``: ranks only under ``accelerate launch``."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        import torch
-        from accelerate import PartialState
-
-        state = PartialState(cpu=not torch.cuda.is_available())
-        return state.process_index, state.num_processes, state
-    return 0, 1, None
-
-
 def build_parallel(source, out: str | Path, *, prefix: str, shard_size: int, workers: int, opts: dict,
                    manifest: dict) -> dict[str, Any]:
     out = Path(out)
     (out / STATS_DIR).mkdir(parents=True, exist_ok=True)
     chunks = source.chunks(shard_size)
     names = [f"{prefix}-{k:06d}.tar" for k in range(len(chunks))]
-    rank, world, state = rank_world()
+    proc = current_process()
+    rank, world = proc.rank, proc.world_size
     dups = (_duplicates(source, chunks, names) if chunks and isinstance(chunks[0], tuple)
             else {n: set() for n in names})
     tasks = [(source, chunks[k], str(out), names[k], opts, dups[names[k]])
@@ -154,8 +145,7 @@ def build_parallel(source, out: str | Path, *, prefix: str, shard_size: int, wor
     else:
         for t in tasks:
             write_chunk(t)
-    if state is not None:
-        state.wait_for_everyone()
+    proc.barrier()
     summary = {"chunks": len(chunks), "written_now": len(tasks)}
     if rank == 0:
         sizes, skipped = {}, Counter()
@@ -172,6 +162,5 @@ def build_parallel(source, out: str | Path, *, prefix: str, shard_size: int, wor
                     "image_size": opts["image_size"]})
         write_json_atomic(out / MANIFEST, man)
         summary.update(samples=sum(sizes.values()), shards=len(sizes), skipped=dict(skipped))
-    if state is not None:
-        state.wait_for_everyone()
+    proc.barrier()
     return summary

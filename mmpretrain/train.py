@@ -58,14 +58,9 @@ def setup(cfg: ExperimentConfig) -> Run:
     from accelerate.utils import set_seed
 
     from mmpretrain.data.sources import resolve_sources
-    from mmpretrain.data.stream import (
-        SampleDecoder,
-        StreamPlan,
-        StreamPosition,
-        TrainStream,
-        check_shard_count,
-        make_loader,
-    )
+    from mmpretrain.data.decode import SampleDecoder
+    from mmpretrain.data.plan import StreamPlan, check_shard_count
+    from mmpretrain.data.stream import StreamPosition, TrainStream, make_loader
     from mmpretrain.losses import STATEFUL, build_objective, needs_targets
     from mmpretrain.models import factory
     from mmpretrain.models.target_encoder import load_target_encoder, target_plan

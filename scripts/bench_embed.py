@@ -32,13 +32,13 @@ def main() -> int:
     from data_tools.build import build
     from data_tools.embed import dataset_folders, embed
     from mmpretrain.data.manifest import read_sizes
-    from mmpretrain.data.shards import iter_samples
+    from mmpretrain.data.tar import read_tar
 
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "openmoji"
         build("demo:openmoji", data, image_size=32, shard_size=200)
         captions = [s["txt"].decode() for f in dataset_folders(data) for n in sorted(read_sizes(f))
-                    for s in iter_samples(f / n)]
+                    for s in read_tar(f / n)]
 
         def raw() -> float:
             t0 = time.perf_counter()

@@ -42,8 +42,10 @@ def main() -> int:
     from open_clip_train.data import get_wds_dataset
 
     from data_tools.build import build
+    from mmpretrain.data.decode import SampleDecoder
+    from mmpretrain.data.plan import StreamPlan
     from mmpretrain.data.sources import resolve_sources
-    from mmpretrain.data.stream import SampleDecoder, StreamPlan, TrainStream, make_loader
+    from mmpretrain.data.stream import TrainStream, make_loader
 
     transform = image_transform_v2(PreprocessCfg(size=args.image_size), is_train=True)
     tokenizer = open_clip.get_tokenizer("ViT-B-32")

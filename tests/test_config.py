@@ -66,7 +66,7 @@ def test_rejected_with_key_named(tmp_path, data, overrides, needle):
 
 def test_schedule_resolution():
     from mmpretrain.data.sources import Source
-    from mmpretrain.data.stream import StreamPlan
+    from mmpretrain.data.plan import StreamPlan
 
     cfg = load_config(None, ["data.train=x", "train.epochs=2", "data.batch_size=10"])
 

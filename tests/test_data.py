@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 
-from mmpretrain.data.shards import iter_samples
+from mmpretrain.data.tar import read_tar
 
 from conftest import TEXT_MODEL, run_cli
 
@@ -19,7 +19,7 @@ def test_build_layout(openmoji):
         assert manifest["embedding"] == {"model": TEXT_MODEL, "dim": 384, "normalized": True, "dtype": "float16",
                                          "count": sum(sizes.values())}
         for name, n in sizes.items():
-            samples = list(iter_samples(openmoji / split / name))
+            samples = list(read_tar(openmoji / split / name))
             assert len(samples) == n
             s = samples[0]
             assert {"png", "txt", "json", "emb.npy"} <= set(s)
@@ -31,7 +31,7 @@ def test_build_layout(openmoji):
     assert len(classes) >= 2
     assert "{c}" in (openmoji / "zeroshot_classification_templates.txt").read_text()
     assert (openmoji / "test" / "nshards.txt").read_text().strip() == "1"
-    labelled = list(iter_samples(openmoji / "test" / "0.tar"))
+    labelled = list(read_tar(openmoji / "test" / "0.tar"))
     assert labelled and all(0 <= int(s["cls"]) < len(classes) for s in labelled)
 
 
@@ -43,7 +43,7 @@ def test_split_is_deterministic_and_disjoint(openmoji, tmp_path):
     for root in (openmoji, tmp_path / "again"):
         for split in ("train", "test"):
             keys[(root, split)] = [s["__key__"] for p in sorted((root / split).glob("openmoji-*.tar"))
-                                   for s in iter_samples(p)]
+                                   for s in read_tar(p)]
     assert keys[(openmoji, "train")] == keys[(tmp_path / "again", "train")]
     assert keys[(openmoji, "test")] == keys[(tmp_path / "again", "test")]
     assert not set(keys[(openmoji, "train")]) & set(keys[(openmoji, "test")])

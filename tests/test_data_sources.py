@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from data_tools.build import BuildError, build
-from mmpretrain.data.shards import iter_samples
+from mmpretrain.data.tar import read_tar
 
 from conftest import run_cli
 
@@ -37,7 +37,7 @@ def shard_content(folder: Path) -> list[tuple]:
     sizes = json.loads((folder / "sizes.json").read_text())
     # shard names are prefixed with the folder's name; compare their numbers
     return [(name.rsplit("-", 1)[1], s["__key__"], s["txt"], s.get("jpg")) for name in sorted(sizes)
-            for s in iter_samples(folder / name)]
+            for s in read_tar(folder / name)]
 
 
 def broken_tsv(root: Path, emoji_images) -> Path:
@@ -140,7 +140,7 @@ def test_img2dataset_output(tmp_path, emoji_images):
     (src / "00000.parquet").write_bytes(b"")  # img2dataset writes these beside the tars
     res = build(str(src), tmp_path / "out", **KW)
     assert res["samples"] == 18 and res["skipped"] == {"not_an_image": 2} and res["shards"] == 2
-    meta = json.loads(next(iter_samples(sorted((tmp_path / "out").glob("*.tar"))[0]))["json"])
+    meta = json.loads(next(read_tar(sorted((tmp_path / "out").glob("*.tar"))[0]))["json"])
     assert meta["url"].startswith("http://x/")
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from data_tools.sources.records import MISSING_FILE, MISSING_IMAGE, Record
+from mmpretrain.data.decode import IMAGE_EXTS
+from mmpretrain.data.tar import UNREADABLE, read_tar
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
@@ -219,28 +221,20 @@ class Img2DatasetSource:
         return list(self.tars)
 
     def read_chunk(self, chunk: str) -> Iterator[Record]:
-        from mmpretrain.data.shards import IMAGE_EXTS, iter_samples
-
-        bad: list[int] = []
-
-        def handler(exn: Exception) -> bool:
-            bad.append(1)
-            return True
-
-        for s in iter_samples(self.path / chunk, handler=handler):
-            while bad:
-                bad.pop()
-                yield Record(f"unreadable-{chunk}", error="unreadable_tar")
-            ext = next((e for e in IMAGE_EXTS if e in s), None)
-            meta: dict[str, Any] = {}
-            if "json" in s:
-                try:
-                    meta = {k: v for k, v in json.loads(s["json"]).items() if k in ("url", "key", "caption")}
-                except ValueError:
-                    meta = {}
-            yield Record(clean_key(s["__key__"]), image=s.get(ext) if ext else None, caption=s.get("txt"),
-                         meta=meta, error=None if ext else MISSING_IMAGE)
-        for _ in bad:
+        try:
+            for s in read_tar(self.path / chunk):
+                ext = next((e for e in IMAGE_EXTS if e in s), None)
+                meta: dict[str, Any] = {}
+                if "json" in s:
+                    try:
+                        parsed = json.loads(s["json"])
+                    except ValueError:
+                        parsed = {}
+                    if isinstance(parsed, dict):
+                        meta = {k: v for k, v in parsed.items() if k in ("url", "key", "caption")}
+                yield Record(clean_key(s["__key__"]), image=s.get(ext) if ext else None, caption=s.get("txt"),
+                             meta=meta, error=None if ext else MISSING_IMAGE)
+        except UNREADABLE:  # a cut or corrupt tar: what it held up to the damage was yielded
             yield Record(f"unreadable-{chunk}", error="unreadable_tar")
 
     def keys(self) -> None:

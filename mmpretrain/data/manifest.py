@@ -50,3 +50,17 @@ def shard_paths(folder: str | Path) -> list[Path]:
     if missing:
         raise FileNotFoundError(f"shards listed in {folder / SIZES} are missing: {missing[:5]}")
     return paths
+
+
+def provenance_record(spec: str, manifest: dict[str, Any], samples: int) -> dict[str, Any]:
+    """What a run records of one training source (``provenance.json``'s ``data``), from its manifest:
+    the source it was built from, a dataset name where the source has one (``demo:NAME``,
+    ``hf:NAME[:SPLIT]``), and the licence and attribution the build recorded (None when not)."""
+    source = manifest.get("source")
+    dataset = None
+    if isinstance(source, str) and source.startswith("demo:"):
+        dataset = source.removeprefix("demo:")
+    elif isinstance(source, str) and source.startswith("hf:"):
+        dataset = source.removeprefix("hf:").split(":")[0]
+    return {"spec": spec, "source": source, "dataset": dataset, "license": manifest.get("license"),
+            "attribution": manifest.get("attribution"), "samples": samples}

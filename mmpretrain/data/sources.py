@@ -18,9 +18,15 @@ from __future__ import annotations
 
 import json
 import posixpath
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
+
+import fsspec
+from braceexpand import braceexpand
+from webdataset.gopen import gopen
+
+from mmpretrain.data.manifest import MANIFEST, SIZES, read_manifest, read_sizes
 
 
 @dataclass
@@ -29,13 +35,14 @@ class Source:
     urls: list[str]
     sizes: list[int]
     weight: float = 1.0
+    manifest: dict[str, Any] = field(default_factory=dict)  # the dataset's manifest.json ({} when absent)
 
     @property
     def num_samples(self) -> int:
         return sum(self.sizes)
 
 
-def _shard_path(url: str) -> str:
+def shard_path(url: str) -> str:
     """The path part a ``sizes.json`` is looked up beside."""
     if url.startswith("pipe:"):
         return url[5:].split()[-1]
@@ -46,18 +53,23 @@ def _is_local(path: str) -> bool:
     return "://" not in path
 
 
-def _read_sizes_near(urls: list[str], spec: str) -> dict[str, int]:
-    first = _shard_path(urls[0])
-    folder = posixpath.dirname(first)
-    sizes_url = posixpath.join(folder, "sizes.json") if folder else "sizes.json"
-    try:
-        if _is_local(sizes_url):
-            return json.loads(Path(sizes_url).read_text())
-        import fsspec
+def _near(urls: list[str], name: str) -> str:
+    folder = posixpath.dirname(shard_path(urls[0]))
+    return posixpath.join(folder, name) if folder else name
 
-        with fsspec.open(sizes_url, "r") as f:
-            return json.load(f)
-    except (OSError, ValueError, ImportError) as e:
+
+def _read_json(url: str) -> Any:
+    if _is_local(url):
+        return json.loads(Path(url).read_text())
+    with fsspec.open(url, "r") as f:
+        return json.load(f)
+
+
+def _read_sizes_near(urls: list[str], spec: str) -> dict[str, int]:
+    sizes_url = _near(urls, SIZES)
+    try:
+        return _read_json(sizes_url)
+    except (OSError, ValueError) as e:
         raise FileNotFoundError(
             f"data.train source {spec!r}: no sample counts ({sizes_url}: {e.__class__.__name__}). Exact epochs "
             "and resume need them: put a sizes.json (shard file name -> samples) beside the shards, or give a "
@@ -65,11 +77,16 @@ def _read_sizes_near(urls: list[str], spec: str) -> dict[str, int]:
         ) from None
 
 
+def _read_manifest_near(urls: list[str]) -> dict[str, Any]:
+    """The manifest beside a pattern's shards; {} when there is none (it is optional there)."""
+    try:
+        data = _read_json(_near(urls, MANIFEST))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def resolve_source(spec: str, weight: float = 1.0) -> Source:
-    from braceexpand import braceexpand
-
-    from mmpretrain.data.manifest import read_sizes
-
     p = Path(spec.removeprefix("file://"))
     if _is_local(spec.removeprefix("file://")) and p.is_dir():
         sizes = read_sizes(p)
@@ -78,19 +95,19 @@ def resolve_source(spec: str, weight: float = 1.0) -> Source:
         if missing:
             raise FileNotFoundError(f"data.train: {p / missing[0]} is listed in sizes.json but missing "
                                     f"({len(missing)} missing); rebuild or fix sizes.json")
-        return Source(spec, [str(p / n) for n in names], [int(sizes[n]) for n in names], weight)
+        return Source(spec, [str(p / n) for n in names], [int(sizes[n]) for n in names], weight, read_manifest(p))
     urls = list(braceexpand(spec))
     local = [u for u in urls if not u.startswith("pipe:") and _is_local(u.removeprefix("file://"))]
     missing = [u for u in local if not Path(u.removeprefix("file://")).is_file()]
     if missing:
         raise FileNotFoundError(f"data.train: shard {missing[0]} does not exist ({len(missing)} missing)")
     sizes = _read_sizes_near(urls, spec)
-    names = [posixpath.basename(_shard_path(u)) for u in urls]
+    names = [posixpath.basename(shard_path(u)) for u in urls]
     unknown = [n for n in names if n not in sizes]
     if unknown:
         raise FileNotFoundError(f"data.train source {spec!r}: {unknown[0]} is not in the sizes.json beside it "
                                 f"({len(unknown)} shard(s) without a count)")
-    return Source(spec, urls, [int(sizes[n]) for n in names], weight)
+    return Source(spec, urls, [int(sizes[n]) for n in names], weight, _read_manifest_near(urls))
 
 
 def resolve_sources(spec: str, weights: list[float] | None = None) -> list[Source]:
@@ -110,9 +127,5 @@ def resolve_sources(spec: str, weights: list[float] | None = None) -> list[Sourc
 def open_url(url: str) -> IO[bytes]:
     """A binary stream for a shard url (local, file://, pipe:, or any fsspec url)."""
     if url.startswith("pipe:") or _is_local(url.removeprefix("file://")):
-        from webdataset.gopen import gopen
-
         return gopen(url.removeprefix("file://"), "rb")
-    import fsspec
-
     return fsspec.open(url, "rb").open()

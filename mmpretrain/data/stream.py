@@ -32,177 +32,44 @@ by their ``sizes.json`` counts and then samples inside a shard without decoding 
 bytes into Python), and the next batch is bit-identical to the uninterrupted run's. Resume needs the
 same ranks, workers, batch size, seed, mode and data; anything else is refused with the reason.
 
+**Sample index.** Every sample carries its global index ``offset of its shard + position in the
+shard`` (shards in ``data.train`` order), the same under resume, any rank count and resampling; a
+resampled batch can hold one index twice.
+
 Kept out of ``accelerator.prepare()``: the split by rank happens here, Accelerate would split again.
+The parts: :mod:`~mmpretrain.data.plan` (which segments each reader reads; no I/O),
+:mod:`~mmpretrain.data.tar` (reading shards), :mod:`~mmpretrain.data.decode` (raw sample -> item);
+this module executes the plan, batches, and keeps the position.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
 import logging
+import os
 import random
+import sys
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from mmpretrain.data.sources import Source, open_url
+from mmpretrain.data.decode import SampleDecoder, SkipSample
+from mmpretrain.data.plan import Segment, StreamPlan
+from mmpretrain.data.tar import UNREADABLE, read_tar
 
 log = logging.getLogger(__name__)
 
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
-MODES = ("epoch", "resampled")
-
-
-class SkipSample(Exception):
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
-# ---------------------------------------------------------------------------------------------- reading
-
-
-def _split_name(name: str) -> tuple[str, str] | None:
-    """webdataset's rule: key = path up to the first dot of the file name, suffix = the rest (lower case)."""
-    base = name.rsplit("/", 1)[-1]
-    dot = base.find(".")
-    if dot <= 0:
-        return None
-    return name[: len(name) - len(base) + dot], base[dot + 1:].lower()
-
-
-def _members(f) -> Iterator[tuple[str, int, bool]]:
-    """``(name, size, is_file)`` of each tar member, leaving ``f`` at the member's data: ustar, pax
-    (``path``/``size`` records) and GNU long names; a short read raises EOFError. About 5x faster than
-    ``tarfile`` in stream mode, which builds a TarInfo and parses every pax header in Python objects."""
-    long_name, pax_name, pax_size = None, None, None
-    while True:
-        h = f.read(512)
-        if len(h) < 512:
-            if h.strip(b"\0"):
-                raise EOFError("truncated tar header")
-            return
-        if not h.strip(b"\0"):
-            return  # end-of-archive block
-        size_field = h[124:136]
-        if size_field[0] & 0x80:  # GNU base-256 size
-            size = int.from_bytes(size_field[1:], "big")
-        else:
-            size = int(size_field.strip(b"\0 ") or b"0", 8)
-        kind = h[156:157]
-        if kind in (b"x", b"g", b"L"):
-            data = f.read(size)
-            f.read(-size % 512)
-            if len(data) < size:
-                raise EOFError("truncated tar header data")
-            if kind == b"L":
-                long_name = data.rstrip(b"\0").decode("utf-8", "surrogateescape")
-            elif kind == b"x":
-                i = 0
-                while i < len(data):
-                    sp = data.index(b" ", i)
-                    n = int(data[i:sp])
-                    k, _, v = data[sp + 1:i + n - 1].partition(b"=")
-                    if k == b"path":
-                        pax_name = v.decode("utf-8", "surrogateescape")
-                    elif k == b"size":
-                        pax_size = int(v)
-                    i += n
-            continue
-        name = long_name or pax_name
-        if name is None:
-            name = h[0:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-            prefix = h[345:500].split(b"\0", 1)[0]
-            if prefix and h[257:262] == b"ustar":
-                name = prefix.decode("utf-8", "surrogateescape") + "/" + name
-        if pax_size is not None:
-            size = pax_size
-        long_name, pax_name, pax_size = None, None, None
-        yield name, size, kind in (b"0", b"\0", b"7")
-
-
-def read_tar(url: str, skip: int = 0) -> Iterator[dict[str, Any]]:
-    """Samples of one shard (``__key__`` + one bytes value per suffix), after ``skip`` samples whose
-    bytes are never copied out. Raises on an unreadable or truncated tar after yielding what it read."""
-    import gzip
-
-    raw = open_url(url)
-    stream = raw
-    try:
-        if not hasattr(stream, "peek"):
-            stream = io.BufferedReader(stream if hasattr(stream, "readinto") else _RawAdapter(stream), 1 << 20)
-        if stream.peek(2)[:2] == b"\x1f\x8b":
-            stream = io.BufferedReader(gzip.GzipFile(fileobj=stream), 1 << 20)
-        key, sample, n = None, {}, 0
-        for name, size, is_file in _members(stream):
-            parts = _split_name(name) if is_file else None
-            if parts is not None and parts[0] != key:
-                if key is not None:
-                    if n >= skip:
-                        yield sample
-                    n += 1
-                key, sample = parts[0], {"__key__": parts[0]}
-            pad = -size % 512
-            if parts is not None and n >= skip:
-                data = stream.read(size)
-                if len(data) < size:
-                    raise EOFError(f"tar member {name} cut short")
-                sample[parts[1]] = data
-                stream.read(pad)
-            else:
-                _skip(stream, size + pad)
-        if key is not None and n >= skip:
-            yield sample
-    finally:
-        raw.close()
-
-
-class _RawAdapter(io.RawIOBase):
-    """A raw stream over anything with ``read(n)`` (webdataset's ``Pipe``)."""
-
-    def __init__(self, src):
-        self.src = src
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        data = self.src.read(len(b))
-        b[: len(data)] = data
-        return len(data)
-
-
-def _skip(f, n: int) -> None:
-    if n and f.seekable():
-        f.seek(n, io.SEEK_CUR)
-        return
-    while n > 0:
-        chunk = f.read(min(n, 1 << 20))
-        if not chunk:
-            raise EOFError("tar data cut short")
-        n -= len(chunk)
-
-
-@dataclass(frozen=True)
-class Segment:
-    shard: int  # index into the flat shard list
-    start: int  # first sample index inside the shard
-    stop: int
-
 
 class SegmentReader:
-    """Raw samples at increasing positions of a reader's sequence of segments; a position whose sample
-    cannot be read comes back as the reason string."""
+    """Raw samples at increasing positions of a reader's sequence of segments, each with its global
+    sample index as ``__index__``; a position whose sample cannot be read comes back as the reason
+    string."""
 
-    def __init__(self, urls: list[str], segments: Iterator[Segment]):
+    def __init__(self, urls: list[str], offsets: list[int], segments: Iterator[Segment]):
         self.urls = urls
+        self.offsets = offsets
         self.segments = segments
         self.seg: Segment | None = None
         self.seg_pos = 0  # position of self.seg's first sample
@@ -232,187 +99,25 @@ class SegmentReader:
                 self.next_in_seg += 1
             raw = next(self.it)
             self.next_in_seg += 1
+            raw["__index__"] = self.offsets[seg.shard] + seg.start + want
             return raw
         except StopIteration:
             self.failed = "missing_in_shard"  # fewer samples than sizes.json says
-        except (OSError, EOFError, ValueError) as e:
+        except UNREADABLE as e:
             log.warning("shard %s unreadable after %d samples: %s", self.urls[seg.shard], seg.start + want, e)
             self.failed = "unreadable_shard"
         return self.failed
 
 
-# ---------------------------------------------------------------------------------------------- planning
-
-
-@dataclass
-class StreamPlan:
-    """Everything the stream is a function of (besides the epoch and position)."""
-
-    sources: list[Source]
-    mode: str
-    seed: int
-    world_size: int
-    workers: int  # readers per rank (DataLoader workers, at least 1)
-    batch_size: int
-    num_samples: int  # per epoch: the dataset (epoch mode) or the budget (resampled)
-    shuffle_block: int
-
-    def __post_init__(self):
-        self.urls = [u for s in self.sources for u in s.urls]
-        self.sizes = [n for s in self.sources for n in s.sizes]
-        self.readers = self.world_size * self.workers
-        self.per_reader = (self.num_samples // (self.readers * self.batch_size)) * self.batch_size
-        if self.per_reader == 0:
-            raise ValueError(
-                f"{self.num_samples} samples per epoch cannot fill one batch of {self.batch_size} on each of "
-                f"{self.world_size} rank(s) x {self.workers} worker(s); lower data.batch_size or data.num_workers"
-            )
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return self.workers * self.per_reader // self.batch_size
-
-    @property
-    def dropped_per_epoch(self) -> int:
-        return self.num_samples - self.readers * self.per_reader if self.mode == "epoch" else 0
-
-    def identity(self) -> dict[str, Any]:
-        """What a saved position is only valid for."""
-        digest = hashlib.sha1(json_bytes([self.urls, self.sizes, [s.weight for s in self.sources]])).hexdigest()
-        return {"mode": self.mode, "seed": self.seed, "world_size": self.world_size, "workers": self.workers,
-                "batch_size": self.batch_size, "num_samples": self.num_samples,
-                "shuffle_block": self.shuffle_block, "data": digest[:16]}
-
-    def shard_order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.urls)))
-        random.Random(f"{self.seed}:{epoch}").shuffle(order)
-        return order
-
-    def _slice(self, order: list[int], a: int, b: int) -> list[Segment]:
-        """Segments covering positions ``[a, b)`` of the concatenation of ``order``'s shards."""
-        out, pos = [], 0
-        for shard in order:
-            n = self.sizes[shard]
-            lo, hi = max(a, pos), min(b, pos + n)
-            if lo < hi:
-                out.append(Segment(shard, lo - pos, hi - pos))
-            pos += n
-            if pos >= b:
-                break
-        return out
-
-    def reader_layout(self, epoch: int, reader: int) -> tuple[list[Segment], list[Segment]]:
-        """Epoch mode: (main range, spares) of a reader."""
-        order = self.shard_order(epoch)
-        L = self.per_reader
-        main = self._slice(order, reader * L, (reader + 1) * L)
-        tail = self.num_samples - self.readers * L
-        each = tail // self.readers
-        start = self.readers * L + reader * each
-        return main, self._slice(order, start, start + each)
-
-    def drawn_segments(self, epoch: int, reader: int) -> Iterator[Segment]:
-        """Resampled mode: whole shards drawn with replacement, without end."""
-        rng = random.Random(f"{self.seed}:{epoch}:draw:{reader}")
-        weights = [s.weight for s in self.sources]
-        offsets = np.cumsum([0] + [len(s.urls) for s in self.sources]).tolist()
-        while True:
-            src = rng.choices(range(len(self.sources)), weights=weights)[0]
-            shard = offsets[src] + rng.randrange(len(self.sources[src].urls))
-            yield Segment(shard, 0, self.sizes[shard])
-
-
-def json_bytes(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True).encode()
-
-
-# ---------------------------------------------------------------------------------------------- decoding
-
-
-def augmentation_seed(seed: int, epoch: int, key: str) -> int:
-    h = hashlib.blake2b(f"{seed}:{epoch}:{key}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & (2**63 - 1)
-
-
-class SampleDecoder:
-    """Raw sample -> dict(image tensor, caption, key, emb?); raises :class:`SkipSample`.
-
-    ``embeddings``: ``"require"`` (missing -> skip, counted), ``"optional"``, or ``"ignore"``.
-    ``draft_size``: JPEGs are decoded at the smallest DCT scale still at least this large (Pillow's
-    draft mode), which is most of the decoding cost saved for web images larger than the model input."""
-
-    def __init__(self, transform, embeddings: str = "optional", draft_size: int | None = None, labels: bool = False):
-        self.transform = transform
-        self.labels = labels
-        self.embeddings = embeddings
-        self.draft_size = draft_size
-
-    def __call__(self, raw: dict[str, Any], seed: int, epoch: int) -> dict[str, Any]:
-        ext = next((e for e in IMAGE_EXTS if e in raw), None)
-        if ext is None:
-            raise SkipSample("missing_image")
-        if "txt" not in raw:
-            raise SkipSample("missing_caption")
-        try:
-            caption = raw["txt"].decode("utf-8").strip()
-        except UnicodeDecodeError:
-            raise SkipSample("caption_not_utf8") from None
-        if not caption:
-            raise SkipSample("empty_caption")
-        emb = None
-        if self.embeddings != "ignore":
-            if "emb.npy" in raw:
-                try:
-                    emb = torch.from_numpy(np.load(io.BytesIO(raw["emb.npy"])).astype(np.float32))
-                except ValueError:
-                    raise SkipSample("bad_embedding") from None
-            elif self.embeddings == "require":
-                raise SkipSample("missing_embedding")
-        try:
-            img = Image.open(io.BytesIO(raw[ext]))
-            if self.draft_size and img.format == "JPEG":
-                img.draft("RGB", (self.draft_size, self.draft_size))
-            img.load()
-            img = img.convert("RGB")
-        except Image.DecompressionBombError:
-            raise SkipSample("decompression_bomb") from None
-        except Exception:
-            raise SkipSample("undecodable_image") from None
-        # the CPU generator only: torch.manual_seed also seeds (lazily) every CUDA device, ~1 ms a call
-        gen = torch.default_generator
-        saved = gen.get_state()
-        try:
-            gen.manual_seed(augmentation_seed(seed, epoch, raw["__key__"]))
-            image = self.transform(img)
-        finally:
-            gen.set_state(saved)
-        out: dict[str, Any] = {"image": image, "text": caption, "key": raw["__key__"]}
-        if emb is not None:
-            out["emb"] = emb
-        if self.labels:
-            out["label"] = sample_label(raw)
-        return out
-
-
-def sample_label(raw: dict[str, Any]) -> int:
-    """The class index of a sample (webdataset's ``cls``, else ``label`` in its ``json``); -1 when absent.
-    Only diagnostics read it (region purity), so an unreadable one counts as absent."""
-    try:
-        if "cls" in raw:
-            return int(raw["cls"].decode().strip())
-        if "json" in raw:
-            label = json.loads(raw["json"]).get("label")
-            return int(label) if isinstance(label, int) else -1
-    except (ValueError, UnicodeDecodeError, AttributeError):
-        pass
-    return -1
-
-
 def collate(items: list[dict[str, Any]], tokenizer=None) -> dict[str, Any]:
+    """A batch: ``images (B, 3, H, W)``, ``texts``, ``keys``, ``sample_index (B,)`` (global, stable under
+    resume, rank count and resampling), ``tokens (B, L)`` with a tokenizer, and ``target_embeddings
+    (B, E)`` / ``labels (B,)`` when every item has one."""
     batch: dict[str, Any] = {
         "images": torch.stack([it["image"] for it in items]),
         "texts": [it["text"] for it in items],
         "keys": [it["key"] for it in items],
+        "sample_index": torch.tensor([it["index"] for it in items], dtype=torch.long),
     }
     if tokenizer is not None:
         batch["tokens"] = tokenizer(batch["texts"])
@@ -421,9 +126,6 @@ def collate(items: list[dict[str, Any]], tokenizer=None) -> dict[str, Any]:
     if all("label" in it for it in items):
         batch["labels"] = torch.tensor([it["label"] for it in items], dtype=torch.long)
     return batch
-
-
-# ---------------------------------------------------------------------------------------------- the stream
 
 
 class Reader:
@@ -450,7 +152,7 @@ class Reader:
         else:
             M, P = None, 0
             segments = lambda: plan.drawn_segments(epoch, self.index)  # noqa: E731
-        reader = SegmentReader(plan.urls, segments())
+        reader = SegmentReader(plan.urls, plan.offsets, segments())
         fruitless = 0
         while emitted < L:
             if M is None or pos < M:  # shuffled blocks (never crossing into the spares)
@@ -476,6 +178,7 @@ class Reader:
                 except SkipSample as e:
                     skipped[e.reason] += not repeat
                     continue
+                item["index"] = raw["__index__"]
                 if repeat:
                     skipped["repeated_to_fill"] += 1
                 emitted += 1
@@ -492,7 +195,9 @@ class Reader:
 
 
 class TrainStream(IterableDataset):
-    """Endless batches of one rank. ``start``: :class:`StreamPosition` state to resume from."""
+    """Endless batches of one rank (:func:`collate`'s keys, plus ``skipped`` counts, ``epoch`` -- the
+    0-based stream epoch the batch belongs to --, ``worker`` and the reader's ``cursor`` after it).
+    ``start``: :class:`StreamPosition` state to resume from."""
 
     def __init__(self, plan: StreamPlan, decoder: SampleDecoder, rank: int, tokenizer=None,
                  start: dict[str, Any] | None = None):
@@ -573,19 +278,8 @@ class StreamPosition:
         return min(c[0] + int(c[3] >= self.plan.per_reader) for c in self.cursors.values())
 
 
-def check_shard_count(num_shards: int, world_size: int, num_workers: int) -> None:
-    need = world_size * max(1, num_workers)
-    if num_shards < need:
-        raise ValueError(
-            f"data.train has {num_shards} shard(s) but {world_size} rank(s) x {max(1, num_workers)} worker(s) "
-            f"= {need} readers: lower data.num_workers or write smaller shards (data_tools build --shard-size)"
-        )
-
-
 def _lower_priority(nice: int):
     def init(worker_id: int) -> None:
-        import os
-
         os.nice(nice)
 
     return init
@@ -595,8 +289,6 @@ def make_loader(stream: TrainStream, num_workers: int, pin_memory: bool = False,
     """``worker_nice``: added to the workers' niceness. With the CPU saturated (training on CPU, or
     decoding-bound GPU hosts) the training process's threads then keep their cores and the workers,
     which run ahead by ``prefetch_factor`` batches, fill the gaps."""
-    import sys
-
     return DataLoader(
         stream,
         batch_size=None,

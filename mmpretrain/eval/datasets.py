@@ -11,15 +11,15 @@ or ``hf:NAME[:SPLIT]`` a Hugging Face dataset; any other folder of class subfold
 from __future__ import annotations
 
 import io
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image
 
+from mmpretrain.data.decode import IMAGE_EXTS, parse_label
 from mmpretrain.data.manifest import read_manifest, read_sizes
-from mmpretrain.data.shards import IMAGE_EXTS, iter_samples
+from mmpretrain.data.tar import read_tar
 
 
 @dataclass
@@ -79,7 +79,7 @@ class EvalDataset:
             return
         i = -1
         for shard in self.shards:
-            for raw in iter_samples(shard):
+            for raw in read_tar(shard):
                 ext = next((e for e in IMAGE_EXTS if e in raw), None)
                 if ext is None:
                     continue
@@ -90,12 +90,7 @@ class EvalDataset:
                 captions = []
                 if "txt" in raw:
                     captions = [c for c in raw["txt"].decode("utf-8").splitlines() if c.strip()]
-                label = None
-                if "cls" in raw:
-                    label = int(raw["cls"].decode().strip())
-                elif "json" in raw:
-                    label = json.loads(raw["json"]).get("label")
-                yield i, EvalSample(raw["__key__"], image, captions, label)
+                yield i, EvalSample(raw["__key__"], image, captions, parse_label(raw))
 
 
 def _read_lines(p: Path) -> list[str]:

@@ -19,9 +19,9 @@ def target_plan(cfg: ExperimentConfig, urls: list[str], needs_targets: bool) -> 
     """Where target embeddings come from: "shards", "online" or "none"."""
     if not needs_targets:
         return "none"
-    from mmpretrain.data.sources import _shard_path
+    from mmpretrain.data.sources import shard_path
 
-    folders = {str(Path(_shard_path(u)).parent) for u in urls}
+    folders = {str(Path(shard_path(u)).parent) for u in urls}
     recorded = {(read_manifest(f).get("embedding") or {}).get("model") for f in folders}
     in_shards = recorded == {cfg.targets.model}
     if cfg.targets.source == "shards" and not in_shards:

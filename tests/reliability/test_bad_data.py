@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from mmpretrain.data.decode import SampleDecoder, SkipSample
+from mmpretrain.data.plan import StreamPlan
 from mmpretrain.data.sources import resolve_sources
-from mmpretrain.data.stream import SampleDecoder, SkipSample, StreamPlan, TrainStream
+from mmpretrain.data.stream import TrainStream
 
 
 def _decoder():

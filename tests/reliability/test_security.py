@@ -48,7 +48,7 @@ def test_embedding_files_with_pickles_are_refused(tmp_path):
     """A stored embedding that is a pickled object array is a bad sample, not code to run."""
     import numpy as np
 
-    from mmpretrain.data.stream import SampleDecoder, SkipSample
+    from mmpretrain.data.decode import SampleDecoder, SkipSample
 
     buf = io.BytesIO()
     np.save(buf, np.array([{"x": 1}], dtype=object), allow_pickle=True)

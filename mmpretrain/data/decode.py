@@ -1,0 +1,106 @@
+"""Raw sample -> training item: image tensor, caption, key, stored caption embedding, label.
+
+A sample that cannot be used raises :class:`SkipSample` with the reason the stream counts it under.
+:func:`parse_label` is the one reader of a sample's class label (webdataset's ``cls`` member, else
+``label`` in its ``json``), shared with the evaluation datasets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+
+
+class SkipSample(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def parse_label(raw: dict[str, Any]) -> int | None:
+    """The class index of a raw sample: its ``cls`` member, else an integer ``label`` in its ``json``;
+    None when absent or unreadable."""
+    try:
+        if "cls" in raw:
+            return int(raw["cls"].decode().strip())
+        if "json" in raw:
+            label = json.loads(raw["json"]).get("label")
+            return label if isinstance(label, int) and not isinstance(label, bool) else None
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        pass
+    return None
+
+
+def augmentation_seed(seed: int, epoch: int, key: str) -> int:
+    h = hashlib.blake2b(f"{seed}:{epoch}:{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & (2**63 - 1)
+
+
+class SampleDecoder:
+    """Raw sample -> dict(image tensor, caption, key, emb?, label?); raises :class:`SkipSample`.
+
+    ``embeddings``: ``"require"`` (missing -> skip, counted), ``"optional"``, or ``"ignore"``.
+    ``draft_size``: JPEGs are decoded at the smallest DCT scale still at least this large (Pillow's
+    draft mode), which is most of the decoding cost saved for web images larger than the model input.
+    ``labels``: also return the label (``-1`` when unknown), for objectives that declare ``needs_labels``."""
+
+    def __init__(self, transform, embeddings: str = "optional", draft_size: int | None = None, labels: bool = False):
+        self.transform = transform
+        self.labels = labels
+        self.embeddings = embeddings
+        self.draft_size = draft_size
+
+    def __call__(self, raw: dict[str, Any], seed: int, epoch: int) -> dict[str, Any]:
+        ext = next((e for e in IMAGE_EXTS if e in raw), None)
+        if ext is None:
+            raise SkipSample("missing_image")
+        if "txt" not in raw:
+            raise SkipSample("missing_caption")
+        try:
+            caption = raw["txt"].decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise SkipSample("caption_not_utf8") from None
+        if not caption:
+            raise SkipSample("empty_caption")
+        emb = None
+        if self.embeddings != "ignore":
+            if "emb.npy" in raw:
+                try:
+                    emb = torch.from_numpy(np.load(io.BytesIO(raw["emb.npy"])).astype(np.float32))
+                except ValueError:
+                    raise SkipSample("bad_embedding") from None
+            elif self.embeddings == "require":
+                raise SkipSample("missing_embedding")
+        try:
+            img = Image.open(io.BytesIO(raw[ext]))
+            if self.draft_size and img.format == "JPEG":
+                img.draft("RGB", (self.draft_size, self.draft_size))
+            img.load()
+            img = img.convert("RGB")
+        except Image.DecompressionBombError:
+            raise SkipSample("decompression_bomb") from None
+        except Exception:
+            raise SkipSample("undecodable_image") from None
+        # the CPU generator only: torch.manual_seed also seeds (lazily) every CUDA device, ~1 ms a call
+        gen = torch.default_generator
+        saved = gen.get_state()
+        try:
+            gen.manual_seed(augmentation_seed(seed, epoch, raw["__key__"]))
+            image = self.transform(img)
+        finally:
+            gen.set_state(saved)
+        out: dict[str, Any] = {"image": image, "text": caption, "key": raw["__key__"]}
+        if emb is not None:
+            out["emb"] = emb
+        if self.labels:
+            label = parse_label(raw)
+            out["label"] = -1 if label is None else label
+        return out

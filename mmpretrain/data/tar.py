@@ -1,0 +1,148 @@
+"""The one tar reader: raw WebDataset samples of a shard, as the training stream, the evaluation and
+``data_tools`` read them.
+
+A sample is ``{"__key__": key, suffix: bytes, ...}`` over consecutive members sharing a key, with
+webdataset's naming rule (:func:`split_name`). :func:`read_tar` parses the 512-byte headers itself
+(ustar, pax ``path``/``size`` records, GNU long names): about 5x faster than ``tarfile`` in stream
+mode, which builds a TarInfo and parses every pax header into Python objects, and able to skip
+samples without copying their bytes out (resuming inside a shard). A truncated or malformed tar
+raises one of :data:`UNREADABLE` after yielding every sample it could read.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from mmpretrain.data.sources import open_url
+
+__all__ = ["UNREADABLE", "read_tar", "split_name"]
+
+# what reading a broken shard raises: a cut stream (EOFError), bad header fields (ValueError), I/O and
+# gzip errors (OSError, zlib.error)
+UNREADABLE = (OSError, EOFError, ValueError, zlib.error)
+
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """webdataset's rule: key = the path up to the first dot of the file name, suffix = the rest,
+    lower-cased (webdataset's ``group_by_keys``); a name whose file name has no dot, or starts with
+    one, belongs to no sample (None)."""
+    base = name.rsplit("/", 1)[-1]
+    dot = base.find(".")
+    if dot <= 0:
+        return None
+    return name[: len(name) - len(base) + dot], base[dot + 1:].lower()
+
+
+def _members(f) -> Iterator[tuple[str, int, bool]]:
+    """``(name, size, is_file)`` of each tar member, leaving ``f`` at the member's data; a short read
+    raises EOFError."""
+    long_name, pax_name, pax_size = None, None, None
+    while True:
+        h = f.read(512)
+        if len(h) < 512:
+            if h.strip(b"\0"):
+                raise EOFError("truncated tar header")
+            return
+        if not h.strip(b"\0"):
+            return  # end-of-archive block
+        size_field = h[124:136]
+        if size_field[0] & 0x80:  # GNU base-256 size
+            size = int.from_bytes(size_field[1:], "big")
+        else:
+            size = int(size_field.strip(b"\0 ") or b"0", 8)
+        kind = h[156:157]
+        if kind in (b"x", b"g", b"L"):
+            data = f.read(size)
+            f.read(-size % 512)
+            if len(data) < size:
+                raise EOFError("truncated tar header data")
+            if kind == b"L":
+                long_name = data.rstrip(b"\0").decode("utf-8", "surrogateescape")
+            elif kind == b"x":
+                i = 0
+                while i < len(data):
+                    sp = data.index(b" ", i)
+                    n = int(data[i:sp])
+                    k, _, v = data[sp + 1:i + n - 1].partition(b"=")
+                    if k == b"path":
+                        pax_name = v.decode("utf-8", "surrogateescape")
+                    elif k == b"size":
+                        pax_size = int(v)
+                    i += n
+            continue
+        name = long_name or pax_name
+        if name is None:
+            name = h[0:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+            prefix = h[345:500].split(b"\0", 1)[0]
+            if prefix and h[257:262] == b"ustar":
+                name = prefix.decode("utf-8", "surrogateescape") + "/" + name
+        if pax_size is not None:
+            size = pax_size
+        long_name, pax_name, pax_size = None, None, None
+        yield name, size, kind in (b"0", b"\0", b"7")
+
+
+def read_tar(url: str | Path, skip: int = 0) -> Iterator[dict[str, Any]]:
+    """Samples of one shard (local path, ``file://``, ``pipe:``, fsspec url; plain or gzipped), after
+    ``skip`` samples whose bytes are never copied out. Raises one of :data:`UNREADABLE` on an
+    unreadable or truncated tar, after yielding what it read."""
+    raw = open_url(str(url))
+    stream = raw
+    try:
+        if not hasattr(stream, "peek"):
+            stream = io.BufferedReader(stream if hasattr(stream, "readinto") else _RawAdapter(stream), 1 << 20)
+        if stream.peek(2)[:2] == b"\x1f\x8b":
+            stream = io.BufferedReader(gzip.GzipFile(fileobj=stream), 1 << 20)
+        key, sample, n = None, {}, 0
+        for name, size, is_file in _members(stream):
+            parts = split_name(name) if is_file else None
+            if parts is not None and parts[0] != key:
+                if key is not None:
+                    if n >= skip:
+                        yield sample
+                    n += 1
+                key, sample = parts[0], {"__key__": parts[0]}
+            pad = -size % 512
+            if parts is not None and n >= skip:
+                data = stream.read(size)
+                if len(data) < size:
+                    raise EOFError(f"tar member {name} cut short")
+                sample[parts[1]] = data
+                stream.read(pad)
+            else:
+                _skip(stream, size + pad)
+        if key is not None and n >= skip:
+            yield sample
+    finally:
+        raw.close()
+
+
+class _RawAdapter(io.RawIOBase):
+    """A raw stream over anything with ``read(n)`` (webdataset's ``Pipe``)."""
+
+    def __init__(self, src):
+        self.src = src
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        data = self.src.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+
+def _skip(f, n: int) -> None:
+    if n and f.seekable():
+        f.seek(n, io.SEEK_CUR)
+        return
+    while n > 0:
+        chunk = f.read(min(n, 1 << 20))
+        if not chunk:
+            raise EOFError("tar data cut short")
+        n -= len(chunk)
