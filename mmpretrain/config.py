@@ -16,6 +16,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from mmpretrain.eval import TASKS
+from mmpretrain.losses import LOSSES
+from mmpretrain.schedule import Schedule
+
 
 class ConfigError(ValueError):
     """A config that cannot run. Entry points print it and exit with code 2."""
@@ -89,21 +93,21 @@ class LossTerm(_Strict):
     @field_validator("name")
     @classmethod
     def _known(cls, v: str) -> str:
-        from mmpretrain.losses import LOSSES
-
         if v not in LOSSES:
             raise ValueError(f"unknown objective {v!r}; choose one of {sorted(LOSSES)}")
         return v
 
     @model_validator(mode="after")
     def _options_construct(self) -> LossTerm:
-        from mmpretrain.losses import LOSSES
+        self.build()
+        return self
 
+    def build(self):
+        """The objective alone (one process), as validation builds it to check the options."""
         try:
-            LOSSES[self.name](**self.options)
+            return LOSSES[self.name](**self.options)
         except TypeError as e:
             raise ValueError(f"bad options for objective {self.name!r}: {e}") from None
-        return self
 
 
 class OptimConfig(_Strict):
@@ -134,8 +138,9 @@ class TrainConfig(_Strict):
         "accumulate: each micro-batch its own objective, gradients averaged (a different objective)")
     log_with: list[Literal["tensorboard", "wandb"]] = Field(
         default_factory=lambda: ["tensorboard"], description="trackers beside log.jsonl (run_dir/tb for tensorboard)")
-    diagnostics_every: int | None = Field(100, gt=0, description="geometry diagnostics of the gathered batch every "
-                                          "N steps (alignment, uniformity, modality gap, negative similarities)")
+    diagnostics_every: int | Literal["auto"] | None = Field(
+        "auto", description="geometry diagnostics of the gathered batch every N steps (alignment, uniformity, "
+        "modality gap, negative similarities); auto: about 50 points over the run, on logging steps; null: off")
     keep_last: int = Field(3, gt=0, description="checkpoints kept in run_dir/checkpoints (older ones removed)")
     nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="a non-finite loss: stop (exit 1, no checkpoint of the bad state) or skip the step")
@@ -145,6 +150,8 @@ class TrainConfig(_Strict):
     def _duration(self) -> TrainConfig:
         if (self.epochs is None) == (self.steps is None):
             raise ValueError("set exactly one of train.epochs and train.steps")
+        if isinstance(self.diagnostics_every, int) and self.diagnostics_every <= 0:
+            raise ValueError("train.diagnostics_every must be a positive number of steps, auto, or null (off)")
         return self
 
 
@@ -157,8 +164,6 @@ class EvalConfig(_Strict):
 
     @model_validator(mode="after")
     def _tasks(self):
-        from mmpretrain.eval import TASKS
-
         if len(self.tasks) not in (1, len(self.datasets)):
             raise ValueError("eval.tasks: give one task, or one per entry of eval.datasets")
         bad = [t for t in self.tasks if t not in TASKS]
@@ -210,9 +215,11 @@ class ExperimentConfig(_Strict):
         if m is not None and (m >= self.data.batch_size or self.data.batch_size % m):
             raise ValueError(f"train.micro_batch_size={m} must divide data.batch_size={self.data.batch_size} "
                              "and be smaller (or leave it unset)")
-        if m is not None and self.train.micro_batch_mode == "accumulate" and any(t.name == "regions" for t in self.loss):
-            raise ValueError("loss regions needs the whole batch in one objective call: use "
-                             "train.micro_batch_mode=grad_cache with train.micro_batch_size")
+        if m is not None and self.train.micro_batch_mode == "accumulate":
+            whole = next((t.name for t in self.loss if t.build().whole_batch), None)
+            if whole:
+                raise ValueError(f"loss {whole} needs the whole batch in one objective call: use "
+                                 "train.micro_batch_mode=grad_cache with train.micro_batch_size")
         return self
 
     @property
@@ -310,9 +317,8 @@ def to_yaml(cfg: ExperimentConfig, extra: dict[str, Any] | None = None) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
 
-def resolve_schedule(cfg: ExperimentConfig, steps_per_epoch: int, num_samples: int, world_size: int) -> dict[str, int]:
+def resolve_schedule(cfg: ExperimentConfig, steps_per_epoch: int, num_samples: int, world_size: int) -> Schedule:
     """Convert durations to steps once, from the stream's steps per epoch (see mmpretrain/data/stream.py)."""
-    global_batch = cfg.data.batch_size * world_size
     if cfg.train.steps is not None:
         total = cfg.train.steps
     else:
@@ -320,11 +326,20 @@ def resolve_schedule(cfg: ExperimentConfig, steps_per_epoch: int, num_samples: i
     warmup = cfg.optim.warmup_steps if cfg.optim.warmup_steps is not None else total // 10
     if warmup >= total:
         raise ConfigError(f"optim.warmup_steps={warmup} must be below the {total} total steps")
-    return {
-        "total_steps": total,
-        "warmup_steps": warmup,
-        "steps_per_epoch": steps_per_epoch,
-        "num_samples": num_samples,
-        "global_batch_size": global_batch,
-        "world_size": world_size,
-    }
+    diag = cfg.train.diagnostics_every
+    if diag == "auto":  # about 50 points over the run, on logging steps
+        every = cfg.train.log_every
+        diag = every * max(1, round(total / (50 * every)))
+    return Schedule(total_steps=total, warmup_steps=warmup, steps_per_epoch=steps_per_epoch, num_samples=num_samples,
+                    global_batch_size=cfg.data.batch_size * world_size, world_size=world_size, diagnostics_every=diag)
+
+
+def flat_config(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(flat_config(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

@@ -21,31 +21,58 @@ import sys
 from pathlib import Path
 
 import yaml
+from safetensors.torch import save_file
+from transformers import AutoTokenizer
 
-from mmpretrain.models.factory import latest_checkpoint, load_run_clip
+from mmpretrain.export_hf import Unsupported, save_transformers
+from mmpretrain.hub import push_folder
+from mmpretrain.models.factory import load_run_clip
+from mmpretrain.run_files import RunFolder
 
 COPIED = ("config.yaml", "provenance.json", "results.json")
+
+# Hub licence identifiers of the licences data_tools records in manifests
+HUB_LICENSES = {"CC BY-SA 4.0": "cc-by-sa-4.0", "CC BY 4.0": "cc-by-4.0", "CC0 1.0": "cc0-1.0",
+                "CC BY-NC 4.0": "cc-by-nc-4.0", "CC BY-NC-SA 4.0": "cc-by-nc-sa-4.0", "Apache-2.0": "apache-2.0",
+                "MIT": "mit"}
+CODE_LICENSE = "apache-2.0"
 
 
 class ExportError(ValueError):
     pass
 
 
-def _card(run_dir: Path, model_cfg: dict, repo_id: str | None, fmt: str = "open_clip", towers: str = "both") -> str:
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
-    prov = json.loads((run_dir / "provenance.json").read_text()) if (run_dir / "provenance.json").is_file() else {}
-    results = json.loads((run_dir / "results.json").read_text()) if (run_dir / "results.json").is_file() else {}
+def training_data(files: RunFolder) -> list[dict]:
+    """The training sources as the run recorded them from their manifests (provenance.json ``data``)."""
+    return files.read_json(files.provenance).get("data") or []
+
+
+def _license(data: list[dict]) -> str:
+    """Weights trained on data under a recorded licence carry it (share-alike data: the OpenMoji demo);
+    several different ones: ``other`` (the card lists them); none recorded: the code's."""
+    names = sorted({d["license"] for d in data if d.get("license")})
+    if not names:
+        return CODE_LICENSE
+    if len(names) == 1:
+        return HUB_LICENSES.get(names[0], "other")
+    return "other"
+
+
+def _card(files: RunFolder, model_cfg: dict, repo_id: str | None, fmt: str = "open_clip", towers: str = "both") -> str:
+    cfg = yaml.safe_load(files.config.read_text()) if files.config.is_file() else {}
+    prov = files.read_json(files.provenance)
+    results = files.read_json(files.results)
+    data = training_data(files)
     front = {
         "library_name": fmt,
         "pipeline_tag": "zero-shot-image-classification" if towers == "both" else "image-feature-extraction",
-        # weights trained on share-alike data (the OpenMoji demo) carry its licence; otherwise the code's
-        "license": "cc-by-sa-4.0" if "openmoji" in json.dumps(cfg) else "apache-2.0",
+        "license": _license(data),
         "tags": ["clip", "open_clip", "mmpretrain", "contrastive-learning"],
     }
-    datasets = sorted({r["dataset"] for r in results.get("results", [])})
+    datasets = sorted({d["dataset"] for d in data if d.get("dataset")})
     if datasets:
         front["datasets"] = datasets
-    name = repo_id or cfg.get("name", run_dir.name)
+    name = repo_id or cfg.get("name", files.root.name)
     resolved = cfg.get("resolved", {})
     lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "", f"# {name}", "",
              "Image-text dual encoder trained with mmpretrain (distribution `simpretrain`).", "",
@@ -59,14 +86,19 @@ def _card(run_dir: Path, model_cfg: dict, repo_id: str | None, fmt: str = "open_
              f"{resolved.get('global_batch_size')} on {resolved.get('world_size')} process(es)",
              f"- code: git `{prov.get('git_sha')}`; packages: "
              + ", ".join(f"{k} {v}" for k, v in (prov.get("packages") or {}).items() if v), ""]
+    if data:
+        lines += ["## Training data", "", "| source | dataset | licence | samples |", "|---|---|---|---|"]
+        lines += [f"| `{d.get('spec')}` | {d.get('dataset') or '-'} | {d.get('license') or 'not recorded'} | "
+                  f"{d.get('samples', '-')} |" for d in data]
+        lines.append("")
     if results.get("results"):
         lines += ["## Evaluation", "", "| dataset | task | metric | value | chance |", "|---|---|---|---|---|"]
         for r in results["results"]:
             for k, v in r["metrics"].items():
                 lines.append(f"| {r['dataset']} | {r['task']} | {k} | {v:.4f} | {r.get('chance', {}).get(k, float('nan')):.4f} |")
         lines.append("")
-    if (run_dir / "plots").is_dir():
-        lines += ["## Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in sorted((run_dir / "plots").glob("*.png"))]
+    if files.plots.is_dir():
+        lines += ["## Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in sorted(files.plots.glob("*.png"))]
         lines.append("")
     repo = repo_id or "ORG/NAME"
     if fmt == "transformers" and towers == "image":
@@ -80,28 +112,25 @@ def _card(run_dir: Path, model_cfg: dict, repo_id: str | None, fmt: str = "open_
         use = ["import open_clip", f"model, preprocess = open_clip.create_model_from_pretrained('hf-hub:{repo}')",
                f"tokenizer = open_clip.get_tokenizer('hf-hub:{repo}')"]
     lines += ["## Use", "", "```python", *use, "```", ""]
-    if "openmoji" in json.dumps(cfg):
-        lines += ["Trained on emoji by OpenMoji, the open-source emoji and icon project (CC BY-SA 4.0).", ""]
+    for d in data:  # credit as the data's licence asks (e.g. OpenMoji, CC BY-SA 4.0)
+        if d.get("attribution"):
+            lines += [f"Training data: {d['attribution']}", ""]
     return "\n".join(lines)
 
 
 def export(run_dir: str | Path, out: str | Path, *, fmt: str = "open_clip", towers: str = "both",
            repo_id: str | None = None) -> list[Path]:
-    from safetensors.torch import save_file
-
-    run_dir, out = Path(run_dir), Path(out)
+    files, out = RunFolder(Path(run_dir)), Path(out)
     if fmt == "open_clip" and towers != "both":
         raise ExportError("--towers image needs --format transformers (open_clip loads only whole models); "
                           "it writes a CLIPVisionModelWithProjection")
-    if latest_checkpoint(run_dir) is None:
+    if files.latest_checkpoint() is None:
         raise ExportError(f"{run_dir} has no complete checkpoint (checkpoints/step_*/train_state.json)")
-    clip, model_cfg, preprocess_cfg = load_run_clip(run_dir)
+    clip, model_cfg, preprocess_cfg = load_run_clip(files.root)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     if fmt == "transformers":
-        from mmpretrain.export_hf import Unsupported, save_transformers
-
         try:
             save_transformers(clip, model_cfg, preprocess_cfg, tmp, towers)
         except Unsupported as e:
@@ -114,29 +143,17 @@ def export(run_dir: str | Path, out: str | Path, *, fmt: str = "open_clip", towe
                   str(tmp / "open_clip_model.safetensors"), metadata={"format": "pt"})
         tok_name = model_cfg.get("text_cfg", {}).get("hf_tokenizer_name")
         if tok_name:
-            from transformers import AutoTokenizer
-
             AutoTokenizer.from_pretrained(tok_name).save_pretrained(str(tmp))
     for name in COPIED:
-        if (run_dir / name).is_file():
-            shutil.copy2(run_dir / name, tmp / name)
-    if (run_dir / "plots").is_dir():
-        shutil.copytree(run_dir / "plots", tmp / "plots")
-    (tmp / "README.md").write_text(_card(run_dir, model_cfg, repo_id, fmt, towers))
+        if (files.root / name).is_file():
+            shutil.copy2(files.root / name, tmp / name)
+    if files.plots.is_dir():
+        shutil.copytree(files.plots, tmp / "plots")
+    (tmp / "README.md").write_text(_card(files, model_cfg, repo_id, fmt, towers))
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
     return sorted(p for p in out.rglob("*") if p.is_file())
-
-
-def push(folder: Path, repo_id: str, *, private: bool, revision: str | None) -> str:
-    """Upload through huggingface_hub; the token comes from HF_TOKEN or the saved login, never printed."""
-    from huggingface_hub import create_repo, upload_folder
-
-    create_repo(repo_id, private=private, exist_ok=True)
-    info = upload_folder(repo_id=repo_id, folder_path=str(folder), revision=revision,
-                         commit_message="Upload mmpretrain export")
-    return str(getattr(info, "commit_url", info))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print(f"dry run: would upload {len(files)} files to {args.push_to_hub}")
         else:
-            print(f"pushed: {push(out, args.push_to_hub, private=args.private, revision=args.revision)}")
+            print(f"pushed: {push_folder(out, args.push_to_hub, private=args.private, revision=args.revision)}")
     return 0
 
 

@@ -21,10 +21,24 @@ Under DDP gradients synchronise only on the last micro-batch (``accelerator.no_s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+@dataclass
+class StepResult:
+    """One step's forward and backward: the objective's ``terms`` (detached: ``*_loss`` weighted,
+    ``*_unweighted``, diagnostics), their sum ``loss``, this rank's ``features`` (image, text) for the
+    diagnostics, and whether the loss was ``finite`` (when not, the caller must discard the gradients)."""
+
+    terms: dict[str, Any]
+    loss: torch.Tensor
+    features: tuple[torch.Tensor, torch.Tensor]
+    finite: bool = True
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -48,21 +62,29 @@ def total_of(out: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def forward_backward(accelerator, model, objective, images, tokens=None, targets=None, *,
                      micro_batch: int | None = None, mode: str = "grad_cache",
-                     check=None, objective_kwargs: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
-    """Gradients of the step's loss into the parameters; returns the objective's terms (detached) and
-    ``loss``. ``objective_kwargs`` (``step``, ``epoch``, ``labels``) reach the objective as they are. ``check(out, total) -> bool``: called with the loss before any backward of the towers;
-    False means skip the backward (a non-finite loss)."""
+                     finite: Callable[[torch.Tensor], bool] | None = None,
+                     context: dict[str, Any] | None = None) -> StepResult:
+    """Gradients of the step's loss into the parameters. ``context``: the step context the objective
+    receives as keywords (``step``, ``epoch``, and what it declares it needs: ``labels (B,)``,
+    ``sample_index (B,)``); per-sample tensors in it are sliced with the micro-batches in accumulate mode.
+
+    ``finite(loss) -> bool`` decides whether the loss can be used (the trainer's check agrees across
+    ranks). With the whole batch, and with grad caching, it is called before any backward of the
+    towers and a False skips them. In accumulate mode every micro-batch's backward has already run
+    when the total is known; a False there only marks the result, and the caller discards the
+    accumulated gradients (as it must in every mode when ``finite`` is False)."""
     acc = accelerator
     B = images.shape[0]
-    kw = objective_kwargs or {}
+    kw = context or {}
     if not micro_batch or micro_batch >= B:
         with acc.autocast():
             feats = model(images, tokens=tokens, target_embeddings=targets)
             out = objective(**feats, target_embeddings=targets, **kw)
         total = total_of(out)
-        if check is None or check(out, total):
+        ok = finite is None or finite(total)
+        if ok:
             acc.backward(total)
-        return _detached(out, total, feats["image_features"], feats["text_features"])
+        return _result(out, total, feats["image_features"], feats["text_features"], ok)
     chunks = [slice(i, min(i + micro_batch, B)) for i in range(0, B, micro_batch)]
     if mode == "accumulate":
         outs, fi, ft = [], [], []
@@ -78,9 +100,8 @@ def forward_backward(accelerator, model, objective, images, tokens=None, targets
             ft.append(feats["text_features"].detach())
         out = {k: sum(o[k] for o in outs) / len(outs) for k in outs[0]}
         total = total_of(out)
-        if check is not None:
-            check(out, total)  # a non-finite loss: the caller discards the accumulated gradients
-        return _detached(out, total, torch.cat(fi), torch.cat(ft))
+        ok = finite is None or finite(total)
+        return _result(out, total, torch.cat(fi), torch.cat(ft), ok)
     if mode != "grad_cache":
         raise ValueError(f"train.micro_batch_mode={mode!r}: grad_cache or accumulate")
     device = images.device
@@ -102,8 +123,8 @@ def forward_backward(accelerator, model, objective, images, tokens=None, targets
         out = objective(image_features=img, text_features=txt, logit_scale=scale, logit_bias=bias,
                         target_embeddings=targets, **kw)
     total = total_of(out)
-    if check is not None and not check(out, total):
-        return _detached(out, total, img, txt)
+    if finite is not None and not finite(total):
+        return _result(out, total, img, txt, False)
     total.backward()
     for j, s in enumerate(chunks):
         last = j == len(chunks) - 1
@@ -118,12 +139,9 @@ def forward_backward(accelerator, model, objective, images, tokens=None, targets
                     surrogate = surrogate + (f["logit_bias"] * bias.grad).sum()
             acc.backward(surrogate)
     _set_rng_state(after, device)
-    return _detached(out, total, img, txt)
+    return _result(out, total, img, txt)
 
 
-def _detached(out: dict[str, Any], total: torch.Tensor, image_features, text_features) -> dict[str, torch.Tensor]:
-    """The terms, ``loss``, and this rank's features as ``features`` (for the diagnostics)."""
-    res = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
-    res["loss"] = total.detach()
-    res["features"] = (image_features.detach(), text_features.detach())
-    return res
+def _result(out: dict[str, Any], total: torch.Tensor, image_features, text_features, finite: bool = True) -> StepResult:
+    terms = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+    return StepResult(terms, total.detach(), (image_features.detach(), text_features.detach()), finite)

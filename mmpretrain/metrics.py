@@ -39,6 +39,20 @@ def geometry(x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
     }
 
 
+# what each geometry measure's axis shows (formulas: methods.md)
+GEOMETRY_UNITS = {
+    "align": "mean ||x - y||^2",
+    "uniform_image": "log mean exp(-2 d^2)",
+    "uniform_text": "log mean exp(-2 d^2)",
+    "modality_gap": "||mean x - mean y||",
+    "pos_sim_mean": "cosine",
+    "neg_sim_mean": "cosine",
+    "neg_sim_var": "cosine variance",
+    "excessive_separation": "1 = mean below -1/(B-1)",
+    "below_separation_fraction": "share of negatives",
+}
+
+
 def similarity_histogram(x: torch.Tensor, y: torch.Tensor, bins: int = 50) -> dict[str, list[float]]:
     """Histograms (densities over [-1, 1]) of positive and negative cosine similarities."""
     sim = (x.double() @ y.double().T).cpu()
@@ -82,8 +96,10 @@ def plot_run(records: list[dict[str, Any]], histograms: dict[str, list[float]] |
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5))
     a1.plot(*series("lr"))
     a1.set_title("learning rate")
+    a1.set_ylabel("learning rate")
     a2.plot(*series("logit_scale"))
     a2.set_title("logit scale")
+    a2.set_ylabel("exp(logit scale)")
     for a in (a1, a2):
         a.set_xlabel("step")
     save(fig, "lr_scale.png")
@@ -92,10 +108,13 @@ def plot_run(records: list[dict[str, Any]], histograms: dict[str, list[float]] |
     if geo:
         cols = 3
         rows = math.ceil(len(geo) / cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(10, 2.6 * rows), squeeze=False)
+        fig, axes = plt.subplots(rows, cols, figsize=(10, 2.8 * rows), squeeze=False)
         for a, k in zip(axes.flat, geo):
-            a.plot(*series(k))
-            a.set_title(k.removeprefix("geometry/"), fontsize=9)
+            name = k.removeprefix("geometry/")
+            a.plot(*series(k), marker=".", markersize=3)
+            a.set_title(name, fontsize=9)
+            a.set_xlabel("step", fontsize=8)
+            a.set_ylabel(GEOMETRY_UNITS.get(name, name), fontsize=8)
         for a in list(axes.flat)[len(geo):]:
             a.axis("off")
         save(fig, "geometry.png")

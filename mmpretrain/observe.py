@@ -1,4 +1,4 @@
-"""What the trainer reports: log records (terms summed over ranks), geometry diagnostics of the
+"""What the trainer reports: log records (terms averaged over ranks), geometry diagnostics of the
 gathered batch, evaluations during training, and the numeric view the trackers take."""
 
 from __future__ import annotations
@@ -9,16 +9,26 @@ from collections import Counter
 from typing import Any
 
 import torch
+from accelerate.utils import gather_object
+
+from mmpretrain.eval import merge_results
+from mmpretrain.metrics import geometry, similarity_histogram
 
 
-def log_record(run: Any, out: dict[str, torch.Tensor], since: float, steps: int) -> dict[str, Any]:
-    acc = run.accelerator
-    keys = sorted(k for k in out if k.endswith("_loss") or k.endswith("_unweighted") or k == "loss")
-    vals = acc.reduce(torch.stack([out[k].detach().float() for k in keys]).to(acc.device), reduction="mean")
-    rec: dict[str, Any] = {"step": run.step, "samples": run.samples,
-                           "epoch": run.samples / run.schedule["num_samples"], "lr": float(out["lr"])}
-    rec.update({k: float(v) for k, v in zip(keys, vals.tolist())})
-    for k, v in out.items():  # the objective's own diagnostics ("regions/m5/q_entropy", ...), equal on every rank
+def log_record(run: Any, terms: dict[str, torch.Tensor], loss: torch.Tensor, lr: float, since: float,
+               steps: int) -> dict[str, Any]:
+    """The record of the step just taken (``run.state.step``): every ``*_loss``/``*_unweighted`` term and
+    the total, averaged over ranks; the objective's own diagnostics (``"regions/m5/q_entropy"``: keys
+    with a ``/``, equal on every rank); learning rate, scale, throughput since ``since`` over ``steps``
+    steps, skipped samples by reason (all ranks)."""
+    acc, st = run.accelerator, run.state
+    keys = sorted(k for k in terms if k.endswith("_loss") or k.endswith("_unweighted"))
+    vals = acc.reduce(torch.stack([terms[k].detach().float() for k in keys] + [loss.detach().float()])
+                      .to(acc.device), reduction="mean").tolist()
+    rec: dict[str, Any] = {"step": st.step, "samples": st.samples, "epoch": run.schedule.epoch_at(st.step), "lr": lr}
+    rec.update({k: float(v) for k, v in zip(keys, vals)})
+    rec["loss"] = float(vals[-1])
+    for k, v in terms.items():
         if "/" in k and isinstance(v, torch.Tensor):
             v = v.detach().float().cpu()
             if v.numel() > 1:
@@ -26,18 +36,16 @@ def log_record(run: Any, out: dict[str, torch.Tensor], since: float, steps: int)
             elif math.isfinite(float(v)):
                 rec[k] = float(v)
     rec["logit_scale"] = float(acc.unwrap_model(run.model).clip.logit_scale.detach().exp())
-    rec["samples_per_s"] = steps * run.schedule["global_batch_size"] / max(time.time() - since, 1e-9)
-    rec["skipped"] = all_ranks_skipped(run)
-    rec["nonfinite_steps"] = run.nonfinite_steps
+    rec["samples_per_s"] = steps * run.schedule.global_batch_size / max(time.time() - since, 1e-9)
+    rec["skipped"] = all_ranks_skipped(acc, st.skipped)
+    rec["nonfinite_steps"] = st.nonfinite_steps
     return rec
 
 
-def all_ranks_skipped(run: Any) -> dict[str, int]:
-    """Bad and dropped samples by reason, summed over ranks."""
-    from accelerate.utils import gather_object
-
+def all_ranks_skipped(accelerator, skipped: Counter) -> dict[str, int]:
+    """Bad and dropped samples by reason, summed over ranks (call on every rank)."""
     total: Counter = Counter()
-    for counts in gather_object([dict(run.skipped)]) if run.accelerator.num_processes > 1 else [run.skipped]:
+    for counts in gather_object([dict(skipped)]) if accelerator.num_processes > 1 else [skipped]:
         total.update(counts)
     return dict(sorted(total.items()))
 
@@ -53,30 +61,23 @@ def numeric(rec: dict[str, Any], prefix: str = "") -> dict[str, float]:
     return out
 
 
-def diagnostics(run, out: dict[str, Any]) -> dict[str, float]:
-    """Geometry of the global batch (every rank's features gathered; called on every rank)."""
-    from mmpretrain.metrics import geometry, similarity_histogram
-
-    x, y = out["features"]
+def diagnostics(run: Any, features: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
+    """Geometry of the global batch (every rank's features gathered; call on every rank)."""
+    x, y = features
     acc = run.accelerator
     x, y = acc.gather(x.float().contiguous()), acc.gather(y.float().contiguous())
     run.histograms = similarity_histogram(x, y)
     return {f"geometry/{k}": v for k, v in geometry(x, y).items()}
 
 
-def evaluate(run) -> dict[str, Any]:
+def evaluate(run: Any) -> dict[str, Any]:
     """The configured evaluations on every rank; results.json gets them under model ``step_N``."""
-    from mmpretrain.eval import Evaluator, merge_results
-
-    cfg, acc = run.cfg.eval, run.accelerator
-    clip = acc.unwrap_model(run.model).clip
-    entries = Evaluator(cfg.jobs, batch_size=cfg.batch_size, device=str(acc.device),
-                        num_workers=cfg.num_workers).run(clip, run.preprocess, run.tokenizer,
-                                                        model_name=f"step_{run.step}")
-    rec: dict[str, Any] = {"step": run.step}
+    clip = run.accelerator.unwrap_model(run.model).clip
+    entries = run.evaluator.run(clip, run.preprocess, run.tokenizer, model_name=f"step_{run.state.step}")
+    rec: dict[str, Any] = {"step": run.state.step}
     for e in entries:
         for k, v in e["metrics"].items():
             rec[f"eval/{e['dataset']}/{k}"] = v
-    if acc.is_main_process:
-        merge_results(run.run_dir / "results.json", entries)
+    if run.accelerator.is_main_process:
+        merge_results(run.files.results, entries)
     return rec

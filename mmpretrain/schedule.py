@@ -1,10 +1,29 @@
-"""Learning-rate schedule and parameter groups: pure functions of their inputs."""
+"""The run's schedule in steps, the learning-rate schedule and parameter groups: pure functions of their inputs."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from torch import nn
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Durations in optimizer steps, resolved once from the config and the data stream (written into the
+    run's ``config.yaml`` under ``resolved``)."""
+
+    total_steps: int
+    warmup_steps: int
+    steps_per_epoch: int  # of the stream: every rank takes this many steps per epoch
+    num_samples: int  # per epoch: the dataset (epoch mode) or the budget (resampled)
+    global_batch_size: int
+    world_size: int
+    diagnostics_every: int | None  # geometry diagnostics cadence in steps (None: off)
+
+    def epoch_at(self, step: int) -> float:
+        """Epochs completed after ``step`` steps (steps / steps per epoch)."""
+        return step / self.steps_per_epoch
 
 
 def lr_at(step: int, *, base_lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0) -> float:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import report_ratio  # noqa: E402
+from clip_benchmark_anchor import clip_benchmark_eval  # noqa: E402
 
 NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
@@ -58,7 +59,6 @@ def main() -> int:
     import torch
 
     from mmpretrain.eval import evaluate
-    from mmpretrain.eval.anchor import clip_benchmark_eval
     from mmpretrain.models.factory import load_model
 
     torch.manual_seed(0)

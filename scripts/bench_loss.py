@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import measure, median, table, write_result  # noqa: E402
-
 from mmpretrain.losses import LOSSES  # noqa: E402
+
+from benchlib import measure, median, table, write_result  # noqa: E402
 
 
 def make_inputs(b: int, d: int, e: int, seed: int = 0):

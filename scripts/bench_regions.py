@@ -95,8 +95,8 @@ def main() -> int:
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 train_step(run, next(it))
-                run.step += 1
-                run.samples += run.schedule["global_batch_size"]
+                run.state.step += 1
+                run.state.samples += run.schedule.global_batch_size
             return (time.perf_counter() - t0) / args.steps
 
         times: dict[str, list[float]] = {"plain": [], "regions": []}

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))  # test helpers shared with the benchmarks (clip_benchmark_anchor)
 TEXT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
 

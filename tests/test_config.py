@@ -65,8 +65,8 @@ def test_rejected_with_key_named(tmp_path, data, overrides, needle):
 
 
 def test_schedule_resolution():
-    from mmpretrain.data.sources import Source
     from mmpretrain.data.plan import StreamPlan
+    from mmpretrain.data.sources import Source
 
     cfg = load_config(None, ["data.train=x", "train.epochs=2", "data.batch_size=10"])
 
@@ -74,7 +74,7 @@ def test_schedule_resolution():
         return StreamPlan([Source("x", ["a.tar", "b.tar"], [n - n // 2, n // 2])], "epoch", 0, 2, workers, 10, n, 0)
 
     s = resolve_schedule(cfg, plan(105).steps_per_epoch, 105, world_size=2)
-    assert s["steps_per_epoch"] == 5 and s["total_steps"] == 10 and s["warmup_steps"] == 1
+    assert s.steps_per_epoch == 5 and s.total_steps == 10 and s.warmup_steps == 1
     # 2 ranks x 2 readers x 10: 80 of 105 samples per epoch, 4 steps; 25 dropped
     assert plan(105, 2).steps_per_epoch == 4 and plan(105, 2).dropped_per_epoch == 25
     with pytest.raises(ValueError, match="lower data.batch_size"):

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from mmpretrain.eval import TASKS, evaluate
-from mmpretrain.eval.anchor import clip_benchmark_eval
 from mmpretrain.models.factory import load_model
 
+from clip_benchmark_anchor import clip_benchmark_eval
 from ddp_helpers import run_ranks
 
 
@@ -132,7 +132,8 @@ def _run_jobs(rank, world, root, state_path, num_workers):
     out = []
     for rel, task in JOBS:
         spec = str(root / rel.removeprefix("openmoji").lstrip("/"))
-        out.append(evaluate(model, preprocess, tokenizer, spec, task, batch_size=16, num_workers=num_workers))
+        out.append(evaluate(model, preprocess, tokenizer, spec, task, batch_size=16, num_workers=num_workers,
+                            rank=rank, world_size=world))
     return out
 
 

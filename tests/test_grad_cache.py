@@ -41,7 +41,7 @@ def test_grad_cache_equals_the_whole_batch(setup):
     full_out, full = _grads(setup, None, "grad_cache")
     out, cached = _grads(setup, 4, "grad_cache")
     assert full.keys() == cached.keys() and "clip.logit_scale" in full
-    assert torch.equal(out["loss"], full_out["loss"]) or torch.allclose(out["loss"], full_out["loss"], rtol=1e-12)
+    assert torch.equal(out.loss, full_out.loss) or torch.allclose(out.loss, full_out.loss, rtol=1e-12)
     for n in full:
         torch.testing.assert_close(cached[n], full[n], rtol=1e-9, atol=1e-12, msg=n)
 

@@ -106,6 +106,10 @@ def test_slice_train_eval_export_reload(openmoji, tmp_path):
     assert "would upload" in r.stdout
     card = (out / "README.md").read_text()
     assert "pipeline_tag: zero-shot-image-classification" in card and "acc1" in card
+    # licence, dataset and credit from the training data's manifest (recorded in provenance.json)
+    data = json.loads((run_dir / "provenance.json").read_text())["data"]
+    assert [(d["source"], d["dataset"], d["license"]) for d in data] == [("demo:openmoji", "openmoji", "CC BY-SA 4.0")]
+    assert "license: cc-by-sa-4.0" in card and "datasets:\n- openmoji" in card and "OpenMoji" in card
 
     exported, preprocess = open_clip.create_model_from_pretrained(f"local-dir:{out}")
     exported.eval()
@@ -229,3 +233,12 @@ def test_shipped_cpu_configs_run_steps(openmoji, tmp_path):
         if "sigmoid" in config:
             model, _, _ = mmpretrain.load(str(run_dir))
             assert model.logit_bias is not None  # the sigmoid term's declared bias was applied
+
+
+def test_export_licence_comes_from_the_training_data():
+    from mmpretrain.export import _license
+
+    assert _license([]) == _license([{"license": None}]) == "apache-2.0"  # none recorded: the code's
+    assert _license([{"license": "CC BY-SA 4.0"}, {"license": "CC BY-SA 4.0"}]) == "cc-by-sa-4.0"
+    assert _license([{"license": "CC BY-SA 4.0"}, {"license": "CC BY 4.0"}]) == "other"  # the card lists both
+    assert _license([{"license": "custom terms"}]) == "other"

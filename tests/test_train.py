@@ -11,6 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mmpretrain.losses.base import Objective
+from mmpretrain.losses.clip import ClipLoss
+
 from conftest import ROOT, run_cli
 
 COMMON = ["train.steps=6", "train.epochs=null", "data.batch_size=16", "data.num_workers=2", "data.shuffle_buffer=32",
@@ -72,13 +75,17 @@ def test_resume_after_a_crash_equals_the_uninterrupted_run(openmoji, tmp_path):
 
 
 class _NanAt:
+    """The run's objective, with a non-finite loss at one step."""
+
     def __init__(self, objective, step, run):
         self.objective, self.step, self.run = objective, step, run
-        self.init_logit_scale = objective.init_logit_scale
+
+    def __getattr__(self, name):  # what the objective declares (needs_*, state_dict, ...)
+        return getattr(self.objective, name)
 
     def __call__(self, **kw):
         out = self.objective(**kw)
-        if self.run.step == self.step:
+        if self.run.state.step == self.step:
             out = {k: v * float("nan") if k.endswith("_loss") else v for k, v in out.items()}
         return out
 
@@ -240,3 +247,63 @@ def test_region_weighting_trains_logs_and_resumes_exactly(openmoji, tmp_path):
     sa = load_file(a / "checkpoints/step_00000006/objective.safetensors")
     sb = load_file(b / "checkpoints/step_00000006/objective.safetensors")
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+class _Recording(Objective):
+    """CLIP that records the step context the trainer passes (it declares labels and sample indices)."""
+
+    needs_labels = True
+    needs_sample_index = True
+    calls: list[dict] = []
+
+    def __init__(self, *, rank=0, world_size=1, chunk_size=None):
+        super().__init__()
+        self.clip = ClipLoss(rank=rank, world_size=world_size)
+
+    def forward(self, *, step, epoch, labels, sample_index, **features):
+        _Recording.calls.append({"step": step, "epoch": epoch, "labels": labels.tolist(),
+                                 "index": sample_index.tolist()})
+        return {"recording_loss": self.clip(**features)["clip_loss"]}
+
+
+def test_objectives_receive_the_stream_epoch_across_a_dropped_remainder_and_a_resume(openmoji, tmp_path, monkeypatch):
+    """The step context: ``epoch`` is the 1-based stream epoch of the batch (not a sample count, which
+    lags when epoch mode drops each epoch's remainder), also after a mid-epoch resume; what an
+    objective declares (labels, sample indices) reaches it."""
+    from mmpretrain.config import load_config
+    from mmpretrain.losses import LOSSES
+    from mmpretrain.train import fit, setup
+
+    monkeypatch.setitem(LOSSES, "recording", _Recording)
+    n = sum(json.loads((openmoji / "train/sizes.json").read_text()).values())
+    per_epoch = n // 16  # 1 rank x 1 reader x batch 16: the rest of each epoch is dropped
+    assert n % 16, "the data must leave a remainder for this test"
+    steps, save = per_epoch + 3, per_epoch - 2  # into the second epoch; a checkpoint mid-epoch 1
+
+    def config(run_dir):
+        return load_config(ROOT / "configs/demo.yaml", [
+            f"data.train={openmoji / 'train'}", f"run_dir={run_dir}", *COMMON, "data.num_workers=0",
+            f"train.steps={steps}", f"train.save_every={save}", "train.keep_last=5", "loss=[{name: recording}]"])
+
+    _Recording.calls = []
+    fit(setup(config(tmp_path / "a")))
+    calls = _Recording.calls
+    assert [c["step"] for c in calls] == list(range(steps))
+    assert [c["epoch"] for c in calls] == [1] * per_epoch + [2] * 3
+    first = [i for c in calls[:per_epoch] for i in c["index"]]
+    assert len(set(first)) == per_epoch * 16 and max(first) < n  # each sample of epoch 1 once, n % 16 dropped
+    assert all(lab >= -1 for c in calls for lab in c["labels"]) and any(lab >= 0 for c in calls for lab in c["labels"])
+    records = [json.loads(x) for x in (tmp_path / "a/log.jsonl").read_text().splitlines()]
+    assert records[-1]["epoch"] == pytest.approx(steps / per_epoch)  # steps / steps per epoch of the stream
+    state = json.loads((tmp_path / f"a/checkpoints/step_{save:08d}/train_state.json").read_text())
+    assert state["epoch"] == pytest.approx(save / per_epoch)
+
+    b = tmp_path / "b"  # the same run stopped after its mid-epoch checkpoint
+    shutil.copytree(tmp_path / "a", b)
+    for p in (b / "checkpoints").iterdir():
+        if p.name != f"step_{save:08d}":
+            shutil.rmtree(p)
+    _Recording.calls = []
+    fit(setup(config(b)))
+    assert [(c["step"], c["epoch"]) for c in _Recording.calls] == [(c["step"], c["epoch"]) for c in calls[save:]]
+    assert [c["index"] for c in _Recording.calls] == [c["index"] for c in calls[save:]]

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-from mmpretrain.eval import TASKS
+from mmpretrain.eval import TASKS, evaluate, format_table, load_task_data, merge_results
+from mmpretrain.eval.zero_shot import named_templates
+from mmpretrain.launch import current_process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pretrained", default=None, help="open_clip pretrained tag or file (with an arch name)")
     p.add_argument("--dataset", required=True, nargs="+",
                    help="dataset folder(s): clip_benchmark wds layout (wds:DIR) or shards (shards:DIR)")
-    p.add_argument("--task", required=True, nargs="+", choices=TASKS, help="one task per dataset, or one for all")
+    p.add_argument("--task", required=True, nargs="+", choices=list(TASKS), help="one task per dataset, or one for all")
     p.add_argument("--templates", default=None,
                    help="zero-shot prompts: openai_imagenet, simple_imagenet, default, or a file (one {c} per line); "
                    "default: the dataset's own, else default")
@@ -40,38 +41,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tasks = args.task * len(args.dataset) if len(args.task) == 1 else args.task
 
-    import torch
-
-    from mmpretrain.eval import PROBE_TASKS, evaluate, format_table, merge_results
-    from mmpretrain.eval.datasets import load_dataset, load_splits
+    # open_clip takes ~5 s to import: after argument parsing, so that --help and usage errors are instant
     from mmpretrain.models.factory import load_model
 
-    state = None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # launched by accelerate / torchrun
-        from accelerate import PartialState
-
-        state = PartialState(cpu=not torch.cuda.is_available())
-    device = args.device or (str(state.device) if state else ("cuda" if torch.cuda.is_available() else "cpu"))
-    main_process = state is None or state.is_main_process
+    proc = current_process()
+    device = args.device or proc.device
     try:
-        # every dataset is checked before the model loads; probes take the spec (train and test)
-        datasets = [(load_splits(d, need_train=t != "clustering") and d) if t in PROBE_TASKS else load_dataset(d)
-                    for d, t in zip(args.dataset, tasks)]
+        # every dataset is checked before the model loads
+        data = [load_task_data(d, t) for d, t in zip(args.dataset, tasks)]
         model, preprocess, tokenizer = load_model(args.model, device=device, pretrained=args.pretrained)
         if args.templates:
-            from mmpretrain.eval.zero_shot import named_templates
-
             templates = named_templates(args.templates)
-            for ds in datasets:
+            for ds in data:
                 if hasattr(ds, "templates"):
                     ds.templates = templates
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    entries = [evaluate(model, preprocess, tokenizer, ds, task, model_name=args.model, batch_size=args.batch_size,
-                        recall_k=args.recall_k, device=device, num_workers=args.num_workers)
-               for ds, task in zip(datasets, tasks)]
-    if not main_process:
+    entries = [evaluate(model, preprocess, tokenizer, d, task, model_name=args.model, batch_size=args.batch_size,
+                        recall_k=args.recall_k, device=device, num_workers=args.num_workers,
+                        rank=proc.rank, world_size=proc.world_size)
+               for d, task in zip(data, tasks)]
+    if not proc.is_main:
         return 0
     print(format_table(entries))
     if args.output:

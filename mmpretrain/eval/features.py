@@ -1,15 +1,19 @@
-"""Frozen image features for probes: projected (normalised) and pre-projection, rank-split and gathered."""
+"""Frozen image features for the probe tasks: projected (normalised) and pre-projection, rank-split and
+gathered, for a test split and, where the task trains a probe, a train split."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from mmpretrain.eval.loop import batches, gather_in_order
+from mmpretrain.eval.datasets import EvalDataset
+from mmpretrain.eval.loop import EvalContext, batches, cat_or_empty, gather_in_order
 
 
 @torch.no_grad()
-def image_features(model, preprocess, ds, batch_size: int, device, num_workers: int = 0):
+def image_features(model, preprocess, ds: EvalDataset, ctx: EvalContext):
     """``(feats (N, D), preproj (N, P) or None, labels (N,))`` over the dataset's labelled samples, in
     dataset order, on every rank.
 
@@ -18,9 +22,8 @@ def image_features(model, preprocess, ds, batch_size: int, device, num_workers: 
     visual = model.visual
     has_proj = isinstance(getattr(visual, "proj", None), torch.Tensor)
     index, feats, pre, labels = [], [], [], []
-    for idx, images, _, labs in batches(ds, preprocess, batch_size, num_workers, labelled_only=True,
-                                        desc=f"{ds.name} features"):
-        x = images.to(device)
+    for idx, images, _, labs in batches(ds, preprocess, ctx, labelled_only=True, desc=f"{ds.name} features"):
+        x = images.to(ctx.device)
         feats.append(model.encode_image(x, normalize=True).float().cpu())
         if has_proj:
             proj = visual.proj
@@ -31,10 +34,36 @@ def image_features(model, preprocess, ds, batch_size: int, device, num_workers: 
                 visual.proj = proj
         index.append(idx)
         labels += labs
-    local = {"feats": torch.cat(feats) if feats else torch.empty(0),
-             "pre": torch.cat(pre) if pre else torch.empty(0),
-             "labels": torch.tensor(labels, dtype=torch.long)}
-    out, _ = gather_in_order(local, torch.cat(index) if index else torch.empty(0, dtype=torch.long))
+    local = {"feats": cat_or_empty(feats), "pre": cat_or_empty(pre), "labels": torch.tensor(labels, dtype=torch.long)}
+    out, _ = gather_in_order(local, cat_or_empty(index, torch.long), ctx.world_size)
     if out["labels"] is None:
         raise ValueError(f"{ds.name}: no labelled samples")
     return out["feats"], out["pre"], out["labels"]
+
+
+def num_classes(ds: EvalDataset, *labels: torch.Tensor) -> int:
+    return len(ds.classnames) if ds.classnames else int(max(int(y.max()) for y in labels)) + 1
+
+
+@dataclass
+class ProbeFeatures:
+    """Train and test features of a probe: ``pairs`` = ``[(metric suffix, train (N, D), test (M, D))]``,
+    ``""`` for projected features, ``"_preproj"`` for pre-projection ones where the tower has them."""
+
+    pairs: list[tuple[str, torch.Tensor, torch.Tensor]]
+    train_labels: torch.Tensor
+    test_labels: torch.Tensor
+    classes: int
+
+
+def probe_features(model, preprocess, splits: tuple[EvalDataset, EvalDataset], ctx: EvalContext) -> ProbeFeatures:
+    train, test = splits
+    te_x, te_pre, te_y = image_features(model, preprocess, test, ctx)
+    tr_x, tr_pre, tr_y = image_features(model, preprocess, train, ctx)
+    pairs = [("", tr_x, te_x)] + ([("_preproj", tr_pre, te_pre)] if te_pre is not None else [])
+    return ProbeFeatures(pairs, tr_y, te_y, num_classes(test, te_y, tr_y))
+
+
+def suffixed_chance(base: dict[str, float], pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+    """The chance levels of ``base``'s metrics for every feature kind of ``pairs``."""
+    return {k + suffix: v for suffix, _, _ in pairs for k, v in base.items()}

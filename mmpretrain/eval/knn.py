@@ -1,9 +1,13 @@
-"""Weighted k-NN on frozen, L2-normalised features (cosine similarity), as in DINO's evaluation:
+"""Task ``knn``: weighted k-NN on frozen, L2-normalised features (cosine similarity), as in DINO's evaluation:
 each of the k nearest training samples votes for its class with weight ``exp(sim / T)``, T = 0.07."""
 
 from __future__ import annotations
 
 import torch
+
+from mmpretrain.eval.datasets import EvalDataset
+from mmpretrain.eval.features import probe_features, suffixed_chance
+from mmpretrain.eval.loop import EvalContext
 
 
 def knn_accuracy(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor,
@@ -15,3 +19,12 @@ def knn_accuracy(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Ten
     votes = torch.zeros(test_x.shape[0], num_classes)
     votes.scatter_add_(1, train_y[idx], (top / temperature).exp())
     return (votes.argmax(1) == test_y).float().mean().item()
+
+
+def run(model, preprocess, tokenizer, splits: tuple[EvalDataset, EvalDataset], ctx: EvalContext) -> dict:
+    """Task ``knn`` on the train and test splits."""
+    f = probe_features(model, preprocess, splits, ctx)
+    metrics = {f"knn_acc1{suffix}": knn_accuracy(tr, f.train_labels, te, f.test_labels, f.classes)
+               for suffix, tr, te in f.pairs}
+    return {"n": len(f.test_labels), "metrics": metrics, "chance": suffixed_chance({"knn_acc1": 1 / f.classes}, f.pairs),
+            "n_train": len(f.train_labels)}

@@ -1,4 +1,4 @@
-"""Linear probe on frozen features: multinomial logistic regression (scikit-learn), the inverse
+"""Task ``linear_probe`` on frozen features: multinomial logistic regression (scikit-learn), the inverse
 regularisation C chosen on a stratified 20% validation split of the training set, then refit on the
 whole training set. Metrics ``lp_acc1``, ``lp_acc5``, ``lp_mean_per_class_recall``."""
 
@@ -7,7 +7,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mmpretrain.eval.zero_shot import classification_metrics
+from mmpretrain.eval.datasets import EvalDataset
+from mmpretrain.eval.features import probe_features, suffixed_chance
+from mmpretrain.eval.loop import EvalContext
+from mmpretrain.eval.zero_shot import classification_chance, classification_metrics
 
 C_GRID = (0.01, 0.1, 1.0, 10.0, 100.0)
 
@@ -34,3 +37,16 @@ def linear_probe(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Ten
     logits[:, clf.classes_] = clf.predict_log_proba(test_x.numpy())
     m = classification_metrics(torch.from_numpy(logits), test_y, num_classes)
     return {f"lp_{k}": v for k, v in m.items()}, best
+
+
+def run(model, preprocess, tokenizer, splits: tuple[EvalDataset, EvalDataset], ctx: EvalContext) -> dict:
+    """Task ``linear_probe`` on the train and test splits."""
+    f = probe_features(model, preprocess, splits, ctx)
+    metrics: dict[str, float] = {}
+    extra: dict[str, float] = {"n_train": len(f.train_labels)}
+    for suffix, tr, te in f.pairs:
+        m, best_c = linear_probe(tr, f.train_labels, te, f.test_labels, f.classes)
+        metrics.update({k + suffix: v for k, v in m.items()})
+        extra[f"C{suffix}"] = best_c
+    chance = suffixed_chance({f"lp_{k}": v for k, v in classification_chance(f.classes).items()}, f.pairs)
+    return {"n": len(f.test_labels), "metrics": metrics, "chance": chance, **extra}

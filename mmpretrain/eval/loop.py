@@ -1,36 +1,44 @@
 """The batched, rank-split image pass every task shares.
 
-Under ``accelerate launch`` (or any initialised ``torch.distributed`` group) sample ``i`` of a dataset
-belongs to rank ``i % world``; within a rank DataLoader workers split that share again, decode and
+Sample ``i`` of a dataset belongs to rank ``i % world_size`` (the ranks are told, in
+:class:`EvalContext`); within a rank DataLoader workers split that share again, decode and
 preprocess in parallel and batch inside the worker. Each rank encodes only its own samples; one
-``all_gather_object`` per pass brings every rank the whole set, put back in dataset order by the
-sample index, so nothing is counted twice or lost and metrics are identical on every rank. Every rank
-makes the same collective calls whatever its share (even an empty one), so none is left waiting."""
+``all_gather_object`` per pass (over the default process group) brings every rank the whole set, put
+back in dataset order by the sample index, so nothing is counted twice or lost and metrics are
+identical on every rank. Every rank makes the same collective calls whatever its share (even an
+empty one), so none is left waiting."""
 
 from __future__ import annotations
 
 import math
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from tqdm.auto import tqdm
 
 
-def rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+@dataclass(frozen=True)
+class EvalContext:
+    """How a task runs: batching, device, workers, retrieval ``k``s, and which rank of how many this is."""
+
+    batch_size: int = 256
+    device: str = "cpu"
+    num_workers: int = 0
+    recall_k: tuple[int, ...] = (1, 5, 10)
+    rank: int = 0
+    world_size: int = 1
 
 
-def gather(obj: Any) -> list[Any]:
+def gather(obj: Any, world_size: int) -> list[Any]:
     """Every rank's ``obj`` (CPU tensors, lists), in rank order, on every rank."""
-    _, world = rank_world()
-    if world == 1:
+    if world_size == 1:
         return [obj]
-    out: list[Any] = [None] * world
+    out: list[Any] = [None] * world_size
     dist.all_gather_object(out, obj)
     return out
 
@@ -56,29 +64,27 @@ def _collate(rows):
     return torch.tensor(idx), torch.stack(images), list(captions), list(labels)
 
 
-def batches(ds, preprocess, batch_size: int, num_workers: int = 0, labelled_only: bool = False,
+def batches(ds, preprocess, ctx: EvalContext, labelled_only: bool = False,
             desc: str = "") -> Iterator[tuple[torch.Tensor, torch.Tensor, list[list[str]], list[int | None]]]:
     """``(indices, images, captions, labels)`` batches of this rank's share, with a progress bar on rank 0."""
-    from tqdm.auto import tqdm
-
-    rank, world = rank_world()
     # fork (Linux's default) even inside a process that was itself spawned, where workers would
     # otherwise re-import everything (~9 s each here)
-    ctx = "fork" if num_workers and sys.platform == "linux" else None
-    loader = DataLoader(_Share(ds, preprocess, rank, world, labelled_only), batch_size=batch_size,
-                        num_workers=num_workers, collate_fn=_collate, multiprocessing_context=ctx)
+    workers = ctx.num_workers
+    mp_context = "fork" if workers and sys.platform == "linux" else None
+    loader = DataLoader(_Share(ds, preprocess, ctx.rank, ctx.world_size, labelled_only), batch_size=ctx.batch_size,
+                        num_workers=workers, collate_fn=_collate, multiprocessing_context=mp_context)
     n = None if labelled_only else ds.num_samples()
-    total = math.ceil(n / world) if n is not None else None
-    with tqdm(total=total, desc=desc or ds.name, unit="img", disable=rank != 0, leave=False) as bar:
+    total = math.ceil(n / ctx.world_size) if n is not None else None
+    with tqdm(total=total, desc=desc or ds.name, unit="img", disable=ctx.rank != 0, leave=False) as bar:
         for b in loader:
             yield b
             bar.update(len(b[0]))
 
 
-def gather_in_order(parts: dict[str, Any], index: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
+def gather_in_order(parts: dict[str, Any], index: torch.Tensor, world_size: int) -> tuple[dict[str, Any], torch.Tensor]:
     """Gather per-sample ``parts`` (tensors with a leading sample axis, or lists) from every rank and
     sort them by the global sample ``index``."""
-    everything = gather({"index": index, **parts})
+    everything = gather({"index": index, **parts}, world_size)
     index = torch.cat([e["index"] for e in everything])
     order = torch.argsort(index)
     out: dict[str, Any] = {}
@@ -93,11 +99,14 @@ def gather_in_order(parts: dict[str, Any], index: torch.Tensor) -> tuple[dict[st
     return out, index[order]
 
 
-def split_map(fn: Callable[[list], torch.Tensor], items: list) -> torch.Tensor:
+def split_map(fn: Callable[[list], torch.Tensor], items: list, ctx: EvalContext) -> torch.Tensor:
     """``fn`` over ``items`` split across ranks (item ``j`` on rank ``j % world``), gathered back in
     order: ``(len(items), ...)``."""
-    rank, world = rank_world()
-    mine = list(range(rank, len(items), world))
+    mine = list(range(ctx.rank, len(items), ctx.world_size))
     local = fn([items[j] for j in mine]) if mine else torch.empty(0)
-    out, _ = gather_in_order({"x": local.float().cpu()}, torch.tensor(mine, dtype=torch.long))
+    out, _ = gather_in_order({"x": local.float().cpu()}, torch.tensor(mine, dtype=torch.long), ctx.world_size)
     return out["x"]
+
+
+def cat_or_empty(parts: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.empty(0, dtype=dtype)

@@ -1,11 +1,16 @@
-"""Zero-shot classification (Radford et al. 2021): per class, encode every template with the class
-name, normalise, average, renormalise -> ``(D, C)`` classifier; score ``img @ W``. Metrics as
+"""Task ``zeroshot_classification`` (Radford et al. 2021): per class, encode every template with the
+class name, normalise, average, renormalise -> ``(D, C)`` classifier; score ``img @ W``. Metrics as
 clip_benchmark names them: ``acc1``, ``acc5``, ``mean_per_class_recall``."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+
+from mmpretrain.eval.datasets import EvalDataset
+from mmpretrain.eval.loop import EvalContext, batches, cat_or_empty, gather_in_order, split_map
 
 DEFAULT_TEMPLATES = ("a photo of a {c}.", "a {c}.", "an image of a {c}.")
 
@@ -13,14 +18,13 @@ DEFAULT_TEMPLATES = ("a photo of a {c}.", "a {c}.", "an image of a {c}.")
 def named_templates(spec: str) -> list[str]:
     """``openai_imagenet`` (CLIP's 80 ImageNet prompts), ``simple_imagenet`` (open_clip's short set, as
     open_clip ships them), ``default``, or a file with one ``{c}`` template per line."""
-    from pathlib import Path
-
-    from open_clip import zero_shot_metadata as meta
+    # open_clip takes ~5 s to import; the evaluation package itself stays importable without it
+    from open_clip import zero_shot_metadata
 
     if spec == "openai_imagenet":
-        return [t("{c}") for t in meta.OPENAI_IMAGENET_TEMPLATES]
+        return [t("{c}") for t in zero_shot_metadata.OPENAI_IMAGENET_TEMPLATES]
     if spec == "simple_imagenet":
-        return [t("{c}") for t in meta.SIMPLE_IMAGENET_TEMPLATES]
+        return [t("{c}") for t in zero_shot_metadata.SIMPLE_IMAGENET_TEMPLATES]
     if spec == "default":
         return list(DEFAULT_TEMPLATES)
     p = Path(spec)
@@ -66,3 +70,27 @@ def classification_chance(num_classes: int) -> dict[str, float]:
     if num_classes < 5:
         del out["acc5"]
     return out
+
+
+@torch.no_grad()
+def run(model, preprocess, tokenizer, ds: EvalDataset, ctx: EvalContext) -> dict:
+    if not ds.classnames:
+        raise ValueError(f"{ds.name}: no class names (classnames.txt or the manifest's classnames)")
+    templates = ds.templates or list(DEFAULT_TEMPLATES)
+    # class embeddings split across ranks, gathered in class order: (C, D) -> (D, C)
+    w = split_map(lambda names: build_classifier(model, tokenizer, names, templates, ctx.device).T, ds.classnames,
+                  ctx)
+    w = w.T.to(ctx.device)
+    index, logits, labels = [], [], []
+    for idx, images, _, labs in batches(ds, preprocess, ctx, labelled_only=True, desc=f"{ds.name} zero-shot"):
+        feats = model.encode_image(images.to(ctx.device), normalize=True)
+        logits.append((feats @ w.to(feats.dtype)).float().cpu())
+        labels += labs
+        index.append(idx)
+    local = {"logits": cat_or_empty(logits), "labels": torch.tensor(labels, dtype=torch.long)}
+    out, _ = gather_in_order(local, cat_or_empty(index, torch.long), ctx.world_size)
+    if out["labels"] is None:
+        raise ValueError(f"{ds.name}: no labelled samples for zero-shot classification")
+    c = len(ds.classnames)
+    return {"n": len(out["labels"]), "metrics": classification_metrics(out["logits"], out["labels"], c),
+            "chance": classification_chance(c)}

@@ -1,9 +1,11 @@
 """Objectives: one file each, one forward signature, dict output ``{"<name>_loss": tensor}``.
 
-``LOSSES[name](**options)`` -> ``nn.Module``; every constructor also accepts ``rank``,
-``world_size`` and ``chunk_size``. Forward keywords: ``image_features (B, D)``,
-``text_features (B, D)``, ``logit_scale`` (exponentiated), ``logit_bias``,
-``target_embeddings (B, E)``; unknown keywords are ignored.
+``LOSSES[name](**options)`` -> an :class:`~mmpretrain.losses.base.Objective` (``nn.Module``); every
+constructor also accepts ``rank``, ``world_size`` and ``chunk_size``. Forward keywords:
+``image_features (B, D)``, ``text_features (B, D)``, ``logit_scale`` (exponentiated), ``logit_bias``,
+``target_embeddings (B, E)``, the step context (``step``, ``epoch``) and what the objective declares
+it needs (``labels``, ``sample_index``); unknown keywords are ignored. See ``base.py`` for the
+declarations and ARCHITECTURE.md for adding one.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 
 from mmpretrain.losses.align_uniform import AlignUniformLoss
+from mmpretrain.losses.base import Objective
 from mmpretrain.losses.clip import ClipLoss
 from mmpretrain.losses.cwcl import CwclLoss
 from mmpretrain.losses.regions import RegionLoss
@@ -21,7 +24,7 @@ from mmpretrain.losses.sigmoid import SigmoidLoss
 from mmpretrain.losses.soft_target import SoftTargetLoss
 from mmpretrain.losses.vrn import VrnLoss
 
-LOSSES: dict[str, type[nn.Module]] = {
+LOSSES: dict[str, type[Objective]] = {
     "clip": ClipLoss,
     "sigmoid": SigmoidLoss,
     "soft_target": SoftTargetLoss,
@@ -31,30 +34,36 @@ LOSSES: dict[str, type[nn.Module]] = {
     "regions": RegionLoss,
 }
 
-# objectives whose forward needs the frozen caption embeddings
-NEEDS_TARGETS = frozenset({"soft_target", "cwcl"})
-
-# objectives whose forward uses the step, the epoch and the labels, and that keep state (checkpointed)
-STATEFUL = frozenset({"regions"})
-
-
-def needs_targets(term: dict) -> bool:
-    """Whether a config loss term (``{"name", "options"}``) needs the frozen caption embeddings."""
-    options = term.get("options") or {}
-    if term["name"] == "regions":
-        return options.get("space", "image") == "target" or options.get("base", "clip") in NEEDS_TARGETS
-    return term["name"] in NEEDS_TARGETS
-
 
 class WeightedObjective(nn.Module):
     """A weighted sum of named terms. Returns each term's ``*_loss`` already weighted (so the
-    trainer's sum of ``*_loss`` keys is the objective) plus ``<key>_unweighted`` for logging."""
+    trainer's sum of ``*_loss`` keys is the objective) plus ``<key>_unweighted`` for logging. It needs
+    what any of its terms needs; its ``state_dict`` holds every term's state."""
 
     def __init__(self, terms: Sequence[tuple[str, float, nn.Module]]):
         super().__init__()
         self.names = [n for n, _, _ in terms]
         self.weights = [float(w) for _, w, _ in terms]
         self.terms = nn.ModuleList([m for _, _, m in terms])
+
+    def _any(self, flag: str) -> bool:
+        return any(getattr(t, flag, False) for t in self.terms)
+
+    @property
+    def needs_targets(self) -> bool:
+        return self._any("needs_targets")
+
+    @property
+    def needs_labels(self) -> bool:
+        return self._any("needs_labels")
+
+    @property
+    def needs_sample_index(self) -> bool:
+        return self._any("needs_sample_index")
+
+    @property
+    def whole_batch(self) -> bool:
+        return self._any("whole_batch")
 
     @property
     def init_logit_scale(self) -> float:
@@ -80,7 +89,7 @@ class WeightedObjective(nn.Module):
 def build_objective(terms: Sequence[dict], rank: int = 0, world_size: int = 1,
                     dataset_size: int | None = None) -> WeightedObjective:
     """``terms``: ``[{"name": "clip", "weight": 1.0, "options": {...}}, ...]`` (the config's ``loss``).
-    ``dataset_size`` reaches objectives that take it (vrn's default delta) unless their options set it."""
+    ``dataset_size`` reaches the objectives that declare ``needs_dataset_size`` unless their options set it."""
     built = []
     seen = set()
     for t in terms:
@@ -90,13 +99,13 @@ def build_objective(terms: Sequence[dict], rank: int = 0, world_size: int = 1,
         if name in seen:
             raise ValueError(f"objective {name!r} listed twice; give it one weight")
         seen.add(name)
+        cls = LOSSES[name]
         options = dict(t.get("options", {}))
-        if name == "vrn" and dataset_size is not None and "delta" not in options:
+        if cls.needs_dataset_size and dataset_size is not None:
             options.setdefault("dataset_size", dataset_size)
-        module = LOSSES[name](rank=rank, world_size=world_size, **options)
-        built.append((name, t.get("weight", 1.0), module))
+        built.append((name, t.get("weight", 1.0), cls(rank=rank, world_size=world_size, **options)))
     return WeightedObjective(built)
 
 
-__all__ = ["LOSSES", "NEEDS_TARGETS", "STATEFUL", "AlignUniformLoss", "RegionLoss", "ClipLoss", "CwclLoss", "SigmoidLoss", "SoftTargetLoss",
-           "VrnLoss", "WeightedObjective", "build_objective", "needs_targets"]
+__all__ = ["LOSSES", "AlignUniformLoss", "ClipLoss", "CwclLoss", "Objective", "RegionLoss", "SigmoidLoss",
+           "SoftTargetLoss", "VrnLoss", "WeightedObjective", "build_objective"]

@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
+from mmpretrain.losses.base import Objective
 from mmpretrain.losses.distributed import gather_with_grad
 
 
@@ -27,9 +27,7 @@ def uniformity(x: torch.Tensor, t: float = 2.0) -> torch.Tensor:
     return torch.logsumexp(-t * sq[off], 0) - math.log(n * (n - 1))
 
 
-class AlignUniformLoss(nn.Module):
-    init_logit_scale = math.log(1 / 0.07)
-    init_logit_bias = None
+class AlignUniformLoss(Objective):
 
     def __init__(self, *, t: float = 2.0, rank: int = 0, world_size: int = 1, chunk_size: int | None = None):
         super().__init__()

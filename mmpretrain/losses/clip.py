@@ -8,17 +8,15 @@ with ``X (N, D)`` image and ``Y (N, D)`` text features, L2-normalised, ``s`` the
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from mmpretrain.losses.distributed import gather_with_grad, scale_grad
+from mmpretrain.losses.base import Objective
+from mmpretrain.losses.distributed import gather_no_grad, gather_with_grad, scale_grad
 from mmpretrain.losses.tiled import pair_ce
 
 
-class ClipLoss(nn.Module):
+class ClipLoss(Objective):
     """Symmetric InfoNCE over the global batch.
 
     Options: ``local_loss`` computes only this rank's rows ``s X_local Y_all^T`` (labels offset by
@@ -30,8 +28,6 @@ class ClipLoss(nn.Module):
     ``B x B`` logits are ever held (the global form gets both directions from one pass).
     """
 
-    init_logit_scale = math.log(1 / 0.07)
-    init_logit_bias = None
 
     def __init__(
         self,
@@ -106,8 +102,6 @@ class ClipLoss(nn.Module):
 
 
 def _gather_keep_local(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    from mmpretrain.losses.distributed import gather_no_grad
-
     parts = list(gather_no_grad(x.detach(), world_size).chunk(world_size))
     parts[rank] = x
     return torch.cat(parts, dim=0)

@@ -11,18 +11,15 @@ columns (features with gradient, targets without).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from mmpretrain.losses.base import Objective
 from mmpretrain.losses.distributed import gather_no_grad, gather_with_grad
 
 
-class CwclLoss(nn.Module):
-    init_logit_scale = math.log(1 / 0.07)
-    init_logit_bias = None
+class CwclLoss(Objective):
+    needs_targets = True
 
     def __init__(self, *, rank: int = 0, world_size: int = 1, chunk_size: int | None = None):
         super().__init__()

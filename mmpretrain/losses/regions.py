@@ -54,9 +54,10 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
+from mmpretrain.losses.base import Objective
 from mmpretrain.losses.distributed import gather_no_grad, gather_with_grad
 
 # The masked pass costs O(S * N^2) elementwise work in a few kernels, the per-region calls
@@ -108,7 +109,7 @@ def match(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return new[order]
 
 
-class RegionLoss(nn.Module):
+class RegionLoss(Objective):
     """``LOSSES["regions"]``: see the module docstring. Options:
 
     ``base`` (a name in ``LOSSES``) and ``base_options``; ``scales`` (region counts, default
@@ -121,6 +122,17 @@ class RegionLoss(nn.Module):
     far), ``epoch`` (counted from 1; default 1), ``labels (B,)`` (ints, ``-1`` = unknown; only for
     the purity diagnostic).
     """
+
+    needs_labels = True  # the purity diagnostic
+    whole_batch = True  # regions and Hedge weights are of the whole (gathered) batch
+
+    @property
+    def needs_targets(self) -> bool:
+        return self.space == "target" or self.global_term.needs_targets
+
+    @property
+    def needs_sample_index(self) -> bool:
+        return self.global_term.needs_sample_index
 
     def __init__(
         self,
@@ -142,7 +154,7 @@ class RegionLoss(nn.Module):
         chunk_size: int | None = None,
     ):
         super().__init__()
-        from mmpretrain.losses import LOSSES
+        from mmpretrain.losses import LOSSES  # the registry imports this module: resolved at construction
 
         if base == "regions" or base not in LOSSES:
             raise ValueError(f"regions: base={base!r}; choose one of {sorted(set(LOSSES) - {'regions'})}")
@@ -245,8 +257,6 @@ class RegionLoss(nn.Module):
                 new = torch.empty(m, bank.shape[1], dtype=bank.dtype, device=bank.device)
             setattr(self, f"centroids_{j}", new)
         if self.world_size > 1:
-            import torch.distributed as dist
-
             for j in range(len(self.scales)):
                 dist.broadcast(self.centroids(j), src=0)
                 dist.broadcast(getattr(self, f"log_q_{j}"), src=0)

@@ -18,13 +18,13 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from mmpretrain.losses.base import Objective
 from mmpretrain.losses.distributed import gather_with_grad
 from mmpretrain.losses.tiled import softplus_sum
 
 
-class SigmoidLoss(nn.Module):
+class SigmoidLoss(Objective):
     init_logit_scale = math.log(10)
     init_logit_bias = -10.0
 

@@ -18,13 +18,12 @@ single-view form needs the masked diagonal and is computed whole.
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from mmpretrain.losses.base import Objective
 from mmpretrain.losses.distributed import gather_no_grad, gather_with_grad
 from mmpretrain.losses.tiled import pair_ce, pair_lse, target_matmul
 
@@ -39,9 +38,8 @@ def soft_targets(local_t: torch.Tensor, all_t: torch.Tensor, tau: float, mask_of
     return sim.softmax(dim=1)
 
 
-class SoftTargetLoss(nn.Module):
-    init_logit_scale = math.log(1 / 0.07)
-    init_logit_bias = None
+class SoftTargetLoss(Objective):
+    needs_targets = True
 
     def __init__(
         self,

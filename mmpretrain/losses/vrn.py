@@ -11,17 +11,14 @@ Features ``(B, D)``. Distributed: local rows against gathered columns; each rank
 
 from __future__ import annotations
 
-import math
-
 import torch
-from torch import nn
 
+from mmpretrain.losses.base import Objective
 from mmpretrain.losses.distributed import gather_with_grad
 
 
-class VrnLoss(nn.Module):
-    init_logit_scale = math.log(1 / 0.07)
-    init_logit_bias = None
+class VrnLoss(Objective):
+    needs_dataset_size = True
 
     def __init__(self, *, delta: float | None = None, dataset_size: int | None = None, rank: int = 0,
                  world_size: int = 1, chunk_size: int | None = None):

@@ -2,22 +2,26 @@
 
 A model is described by an open_clip ``model_cfg`` dict plus a ``preprocess_cfg`` dict, exactly the
 two halves of open_clip's ``open_clip_config.json``; the run folder keeps that file
-(``model_config.json``), so a checkpoint never loses the architecture it was trained with.
+(``model_config.json``, :mod:`mmpretrain.run_files`), so a checkpoint never loses the architecture it
+was trained with.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-import re
 from dataclasses import asdict
 from pathlib import Path
 
 import open_clip
 import torch
 import torch.nn.functional as F
+from huggingface_hub import hf_hub_download
 from open_clip.transform import PreprocessCfg, image_transform_v2
+from open_clip.transformer import text_global_pool
+from safetensors.torch import load_file
 from torch import nn
+
+from mmpretrain.run_files import MODEL_WEIGHTS, RunFolder, checkpoint_clip_weights
 
 PACKAGED_CONFIGS = Path(__file__).resolve().parent.parent / "model_configs"
 _registered = False
@@ -99,8 +103,6 @@ def encode_text_trimmed(clip: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     the pooled feature, and dropping it is the same function at a fraction of the cost (tested to
     1e-6 in value and gradient). Towers where that does not hold (no causal mask, last-token
     pooling, a custom text tower) run unchanged."""
-    from open_clip.transformer import text_global_pool
-
     mask = getattr(clip, "attn_mask", None)
     pool = getattr(clip, "text_pool_type", None)
     if (mask is None or pool not in ("argmax", "eos", "first") or not hasattr(clip, "token_embedding")
@@ -196,21 +198,17 @@ def _load_pretrained(clip: nn.Module, pretrained: str, arch: str | None) -> None
     """``model.pretrained``: an open_clip tag of ``arch``, a weights file, ``hf-hub:ORG/NAME`` (an open_clip
     Hub repo), an export folder, or one of our checkpoints (``run/checkpoints/step_N``, or a run folder:
     its latest). Weights only from safetensors or ``torch.load(weights_only=True)``."""
-    from safetensors.torch import load_file
-
     p = Path(pretrained)
     if pretrained.startswith("hf-hub:"):
-        from huggingface_hub import hf_hub_download
-
         p = Path(hf_hub_download(pretrained[len("hf-hub:"):], "open_clip_model.safetensors"))
     if p.is_dir():
-        ckpt = latest_checkpoint(p) or p
-        if (ckpt / "model.safetensors").is_file():  # accelerate's save_state of our DualEncoder
-            sd = {k.removeprefix("clip."): v for k, v in load_file(ckpt / "model.safetensors").items()}
+        ckpt = RunFolder(p).latest_checkpoint() or p
+        if (ckpt / MODEL_WEIGHTS).is_file():  # accelerate's save_state of our DualEncoder
+            sd = checkpoint_clip_weights(ckpt)
         elif (ckpt / "open_clip_model.safetensors").is_file():
             sd = load_file(ckpt / "open_clip_model.safetensors")
         else:
-            raise ValueError(f"model.pretrained={pretrained}: no model.safetensors (checkpoint) or "
+            raise ValueError(f"model.pretrained={pretrained}: no {MODEL_WEIGHTS} (checkpoint) or "
                              "open_clip_model.safetensors (export) in it")
         missing, unexpected = clip.load_state_dict(sd, strict=False)
         if unexpected or [m for m in missing if not m.startswith("text.transformer.")]:
@@ -260,36 +258,16 @@ def build_dual_encoder(
 
 # ---------------------------------------------------------------- loading trained models
 
-_STEP_RE = re.compile(r"^step_(\d{8})$")
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete ``checkpoints/step_{N:08d}`` (complete = its train_state.json exists)."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return None
-    done = [p for p in root.iterdir() if _STEP_RE.match(p.name) and (p / "train_state.json").is_file()]
-    return max(done, key=lambda p: int(p.name[5:]), default=None)
-
-
-def read_open_clip_config(path: Path) -> tuple[dict, dict]:
-    data = json.loads(path.read_text())
-    return data["model_cfg"], data.get("preprocess_cfg", {})
-
 
 def load_run_clip(run_dir: str | Path, device: str = "cpu") -> tuple[nn.Module, dict, dict]:
     """The open_clip model of a run's latest checkpoint, with its model and preprocess configs."""
-    from safetensors.torch import load_file
-
-    run_dir = Path(run_dir)
-    ckpt = latest_checkpoint(run_dir)
+    files = RunFolder(Path(run_dir))
+    ckpt = files.latest_checkpoint()
     if ckpt is None:
         raise FileNotFoundError(f"{run_dir} has no complete checkpoint under checkpoints/step_*/")
-    model_cfg, preprocess_cfg = read_open_clip_config(run_dir / "model_config.json")
+    model_cfg, preprocess_cfg = files.read_model_config()
     clip = instantiate(model_cfg, load_text_weights=False)
-    state = load_file(str(ckpt / "model.safetensors"), device="cpu")
-    state = {k[len("clip."):]: v for k, v in state.items() if k.startswith("clip.")}
-    clip.load_state_dict(state, strict=True)
+    clip.load_state_dict(checkpoint_clip_weights(ckpt), strict=True)
     return clip.to(device).eval(), model_cfg, preprocess_cfg
 
 
@@ -306,7 +284,7 @@ def load_model(path: str, device: str = "cpu", pretrained: str | None = None):
         ref = "local-dir:" + str(folder)
         model, preprocess = open_clip.create_model_from_pretrained(ref, device=device)
         return model.eval(), preprocess, open_clip.get_tokenizer(ref)
-    if (folder / "model_config.json").is_file() and (folder / "checkpoints").is_dir():
+    if RunFolder(folder).is_run():
         clip, model_cfg, preprocess_cfg = load_run_clip(folder, device)
         preprocess = image_transform_v2(PreprocessCfg(**preprocess_cfg), is_train=False)
         return clip, preprocess, make_tokenizer(model_cfg)

@@ -1,40 +1,39 @@
 """The frozen sentence-transformer that produces caption embeddings (similarity targets), and the
-choice between embeddings stored in the shards and computing them online."""
+choice between embeddings stored with the shards and computing them online."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
-from mmpretrain.config import ConfigError, ExperimentConfig
-from mmpretrain.data.manifest import read_manifest
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
 
 
-def load_target_encoder(model: str, device: str):
+def load_target_encoder(model: str, device: str) -> SentenceTransformer:
+    # sentence-transformers adds ~2.4 s to the trainer's start; only online targets need it
     from sentence_transformers import SentenceTransformer
 
     return SentenceTransformer(str(model), device=device).eval()
 
 
-def target_plan(cfg: ExperimentConfig, urls: list[str], needs_targets: bool) -> str:
-    """Where target embeddings come from: "shards", "online" or "none"."""
-    if not needs_targets:
+def choose_target_source(requested: Literal["auto", "shards", "online"], model: str, recorded: set[str | None],
+                         needed: bool, text_from_targets: bool) -> Literal["shards", "online", "none"]:
+    """Where target embeddings come from: ``"shards"``, ``"online"`` or ``"none"`` (not ``needed``).
+    ``recorded``: the embedding model each training source's manifest records (None: not embedded).
+    Raises ValueError, naming the fix, when the request cannot be met."""
+    if not needed:
         return "none"
-    from mmpretrain.data.sources import shard_path
-
-    folders = {str(Path(shard_path(u)).parent) for u in urls}
-    recorded = {(read_manifest(f).get("embedding") or {}).get("model") for f in folders}
-    in_shards = recorded == {cfg.targets.model}
-    if cfg.targets.source == "shards" and not in_shards:
-        raise ConfigError(
+    in_shards = recorded == {model}
+    if requested == "shards" and not in_shards:
+        raise ValueError(
             f"targets.source=shards but the shards of data.train carry embeddings of {sorted(map(str, recorded))}, "
-            f"not {cfg.targets.model!r}: run `python -m data_tools embed DIR --model {cfg.targets.model}` "
-            "or set targets.source=online"
+            f"not {model!r}: run `python -m data_tools embed DIR --model {model}` or set targets.source=online"
         )
-    if cfg.targets.source == "online" or not in_shards:
-        if cfg.model.text_from_targets:
-            raise ConfigError(
+    if requested == "online" or not in_shards:
+        if text_from_targets:
+            raise ValueError(
                 "model.text_from_targets=true needs embeddings stored in the shards: run "
-                f"`python -m data_tools embed DIR --model {cfg.targets.model}`"
+                f"`python -m data_tools embed DIR --model {model}`"
             )
         return "online"
     return "shards"

@@ -74,7 +74,7 @@ def test_five_kills_then_resume_is_bit_identical(openmoji, tmp_path):
 
 
 def test_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable(openmoji, tmp_path):
-    from mmpretrain.checkpoint import latest_checkpoint
+    from mmpretrain.run_files import latest_checkpoint
 
     run_dir = tmp_path / "run"
     cmd = _cmd(openmoji, run_dir)

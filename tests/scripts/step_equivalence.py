@@ -16,8 +16,8 @@ def main(out_path: str) -> None:
     from mmpretrain.config import load_config
     from mmpretrain.losses import build_objective
     from mmpretrain.models.factory import build_dual_encoder, resolve_model_cfg
-    from mmpretrain.schedule import param_groups
-    from mmpretrain.train import Run, train_step
+    from mmpretrain.schedule import Schedule, param_groups
+    from mmpretrain.train import Run, TrainState, train_step
 
     acc = Accelerator(cpu=True)
     rank, world = acc.process_index, acc.num_processes
@@ -40,15 +40,17 @@ def main(out_path: str) -> None:
                                     dataset_size=1000)
         opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr)
         model, opt = acc.prepare(model, opt)
-        run = Run(cfg, acc, model, objective, opt, None, {"total_steps": 5, "warmup_steps": 1, "num_samples": 1000}, None)
+        schedule = Schedule(total_steps=5, warmup_steps=1, steps_per_epoch=5, num_samples=1000, global_batch_size=G,
+                            world_size=world, diagnostics_every=None)
+        run = Run(cfg, acc, model, objective, opt, None, schedule, None, TrainState(position=None))
         model.train()
         losses = []
         for step in range(steps):
             rows = slice(rank * G // world, (rank + 1) * G // world)
             out = train_step(run, {"images": images[step, rows], "tokens": tokens[step, rows],
-                                   "target_embeddings": targets[step, rows]})
-            run.step += 1
-            losses.append(acc.reduce(out["loss"].reshape(1).double(), reduction="mean").item())
+                                   "target_embeddings": targets[step, rows], "epoch": 0})
+            run.state.step += 1
+            losses.append(acc.reduce(out.loss.reshape(1).double(), reduction="mean").item())
         w = acc.unwrap_model(model)
         results[name] = {"losses": losses,
                          "weights": float(sum(p.detach().double().abs().sum() for p in w.parameters()))}

@@ -1,0 +1,37 @@
+"""What every objective declares, so that the trainer needs no edit for a new one.
+
+An objective is an ``nn.Module`` subclassing :class:`Objective`. Its class (or instance) says what
+its forward reads beyond the features, and the trainer provides exactly that:
+
+- ``needs_targets``: ``target_embeddings (B, E)``, the frozen caption embeddings (stored with the
+  shards, or computed online by ``targets.model``);
+- ``needs_labels``: ``labels (B,)``, class indices from the shards (``-1`` unknown);
+- ``needs_sample_index``: ``sample_index (B,)``, each sample's global index in the dataset (stable
+  under resume, rank count and resampling; a resampled batch can hold one index twice);
+- ``needs_dataset_size``: the constructor is given ``dataset_size`` (samples per epoch) unless its
+  options set it;
+- ``whole_batch``: it must see the whole batch in one call, so plain micro-batch accumulation is refused
+  (gradient caching is fine).
+
+Every forward also receives the step context ``step`` (the optimizer step, from 0) and ``epoch`` (the
+1-based epoch of the batch being trained on, from the stream), and ignores keywords it does not use.
+State (banks, weights, counters) lives in the module's ``state_dict`` (buffers): the trainer saves it
+with every checkpoint as safetensors and restores it on resume. ``init_logit_scale`` /
+``init_logit_bias`` are the initial values the objective prefers for the model's scale and bias.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+
+class Objective(nn.Module):
+    init_logit_scale: float = math.log(1 / 0.07)
+    init_logit_bias: float | None = None
+    needs_targets: bool = False
+    needs_labels: bool = False
+    needs_sample_index: bool = False
+    needs_dataset_size: bool = False
+    whole_batch: bool = False

@@ -1,0 +1,5 @@
+import sys
+
+from mmpretrain.train.cli import main
+
+sys.exit(main())

@@ -1,0 +1,215 @@
+"""``setup(cfg) -> Run``: the data, the objective, the model and optimizer, then the saved state when
+resuming. Every mistake a user can fix raises :class:`~mmpretrain.config.ConfigError` (exit 2) before
+any compute."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from open_clip.transform import PreprocessCfg, image_transform_v2
+
+from mmpretrain.checkpoint import load_objective_state, resume_point
+from mmpretrain.config import ConfigError, ExperimentConfig, flat_config, resolve_schedule, to_yaml
+from mmpretrain.data.decode import SampleDecoder
+from mmpretrain.data.manifest import provenance_record
+from mmpretrain.data.plan import StreamPlan, check_shard_count
+from mmpretrain.data.sources import Source, resolve_sources
+from mmpretrain.data.stream import StreamPosition, TrainStream, make_loader
+from mmpretrain.eval import Evaluator
+from mmpretrain.losses import WeightedObjective, build_objective
+from mmpretrain.models import factory
+from mmpretrain.models.target_encoder import choose_target_source, load_target_encoder
+from mmpretrain.observe import numeric
+from mmpretrain.run_files import JsonlLog, RunFolder, provenance
+from mmpretrain.schedule import Schedule, param_groups
+from mmpretrain.train.state import Run, TrainState
+
+
+@dataclass
+class Data:
+    """The training data as planned: sources, the stream plan and the schedule it implies."""
+
+    sources: list[Source]
+    plan: StreamPlan
+    schedule: Schedule
+
+
+@dataclass
+class Model:
+    """The model to train and the two halves of its open_clip config (written as ``model_config.json``)."""
+
+    module: factory.DualEncoder
+    model_cfg: dict
+    preprocess_cfg: dict
+
+
+def make_accelerator(cfg: ExperimentConfig) -> Accelerator:
+    if cfg.train.precision != "no" and not torch.cuda.is_available():
+        raise ConfigError(f"train.precision={cfg.train.precision} needs a GPU; use train.precision=no on CPU")
+    try:
+        return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.train.precision,
+                           log_with=list(cfg.train.log_with) or None, project_dir=str(cfg.resolved_run_dir))
+    except (ValueError, ImportError) as e:
+        raise ConfigError(f"train.log_with={cfg.train.log_with}: {e} (pip install the tracker, or drop it)") from None
+
+
+def build_data(cfg: ExperimentConfig, world_size: int) -> Data:
+    try:
+        sources = resolve_sources(cfg.data.train, cfg.data.weights)
+        check_shard_count(sum(len(s.urls) for s in sources), world_size, cfg.data.num_workers)
+        total = sum(s.num_samples for s in sources)
+        plan = StreamPlan(sources, cfg.data.mode, cfg.seed, world_size, max(1, cfg.data.num_workers),
+                          cfg.data.batch_size, cfg.data.num_samples or total, cfg.data.shuffle_buffer)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    return Data(sources, plan, resolve_schedule(cfg, plan.steps_per_epoch, plan.num_samples, world_size))
+
+
+def build_objective_for(cfg: ExperimentConfig, rank: int, world_size: int, dataset_size: int) -> WeightedObjective:
+    try:
+        return build_objective([t.model_dump() for t in cfg.loss], rank=rank, world_size=world_size,
+                               dataset_size=dataset_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def target_source(cfg: ExperimentConfig, sources: list[Source], objective: WeightedObjective) -> str:
+    """``shards``, ``online`` or ``none``: where the caption embeddings the objective (or the
+    text-from-targets model) needs come from."""
+    recorded = {(s.manifest.get("embedding") or {}).get("model") for s in sources}
+    try:
+        return choose_target_source(cfg.targets.source, cfg.targets.model, recorded,
+                                    needed=cfg.model.text_from_targets or objective.needs_targets,
+                                    text_from_targets=cfg.model.text_from_targets)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def build_model(cfg: ExperimentConfig, objective: WeightedObjective) -> Model:
+    """The dual encoder, with the objective's preferred initial logit scale and bias (seeded)."""
+    m = cfg.model
+    try:
+        model_cfg = factory.resolve_model_cfg(m.arch, m.text_model, m.overrides)
+        if m.text_from_targets:
+            factory.check_text_from_targets(model_cfg, cfg.targets.model)
+        model_cfg = factory.with_logit_init(model_cfg, objective.init_logit_scale, objective.init_logit_bias)
+        set_seed(cfg.seed)
+        module = factory.build_dual_encoder(
+            model_cfg, pretrained=m.pretrained, arch=m.arch, lock_text=m.lock_text, text_from_targets=m.text_from_targets,
+            lock_text_unlocked_layers=m.lock_text_unlocked_layers, lock_image=m.lock_image,
+            lock_image_unlocked_groups=m.lock_image_unlocked_groups, grad_checkpointing=m.grad_checkpointing,
+        )
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from None
+    return Model(module, model_cfg, factory.default_preprocess_cfg(model_cfg))
+
+
+def build_position(plan: StreamPlan, saved: dict[str, Any] | None, rank: int, world_size: int, ckpt) -> StreamPosition:
+    """This rank's stream position: the start, or the checkpoint's (same ranks and plan, else refused)."""
+    position = StreamPosition(plan)
+    if saved is None:
+        return position
+    if len(saved["loader"]) != world_size:
+        raise ConfigError(f"{ckpt} was written by {len(saved['loader'])} process(es), this run has {world_size}: an "
+                          "exact resume needs the same number (or start anew with model.pretrained=CHECKPOINT)")
+    try:
+        position.load(saved["loader"][rank])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return position
+
+
+def build_loader(cfg: ExperimentConfig, data: Data, model: Model, objective: WeightedObjective, targets: str,
+                 position: StreamPosition | None, rank: int, pin_memory: bool):
+    """The rank's loader; ``position``: a restored stream position to continue from (None: the start)."""
+    size = model.preprocess_cfg["size"]
+    decoder = SampleDecoder(
+        image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=True),
+        embeddings={"shards": "require", "online": "ignore", "none": "ignore"}[targets],
+        draft_size=max(size) if isinstance(size, (list, tuple)) else size,
+        labels=objective.needs_labels,
+    )
+    stream = TrainStream(data.plan, decoder, rank, start=position.state() if position is not None else None,
+                         tokenizer=None if cfg.model.text_from_targets else factory.make_tokenizer(model.model_cfg))
+    return make_loader(stream, cfg.data.num_workers, pin_memory=pin_memory, worker_nice=cfg.data.worker_nice)
+
+
+def make_optimizer(cfg: ExperimentConfig, module: torch.nn.Module) -> torch.optim.Optimizer:
+    o = cfg.optim
+    return torch.optim.AdamW(param_groups(module, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps,
+                             fused=o.implementation == "fused" or None, foreach=o.implementation == "foreach")
+
+
+def restore_state(acc: Accelerator, objective: WeightedObjective, state: TrainState, files: RunFolder, ckpt,
+                  saved: dict[str, Any]) -> list[dict[str, Any]]:
+    """Weights, optimizer and RNG (accelerate's ``load_state``: safetensors and ``torch.load(weights_only)``),
+    the objective's state and the counters (the stream position is restored before the loader is
+    built: :func:`build_position`). Returns the log records up to the checkpoint: later ones belong
+    to the interrupted attempt."""
+    acc.load_state(str(ckpt))
+    if objective.state_dict():
+        load_objective_state(objective, ckpt)
+    state.step, state.samples = saved["step"], saved["samples"]
+    state.nonfinite_steps = saved.get("nonfinite_steps", 0)
+    if acc.is_main_process:  # the saved counts are sums over ranks
+        state.skipped.update(saved["skipped"])
+    return files.log_records(up_to_step=saved["step"])
+
+
+def write_run_files(files: RunFolder, cfg: ExperimentConfig, data: Data, model: Model, targets: str,
+                    world_size: int, records: list[dict[str, Any]]) -> None:
+    """config.yaml (resolved), model_config.json, provenance.json (with the training data's manifests)
+    and log.jsonl (the records kept from before a resume). Main process."""
+    files.root.mkdir(parents=True, exist_ok=True)
+    resolved = dict(asdict(data.schedule), targets=targets, readers_per_rank=data.plan.workers,
+                    dropped_per_epoch=data.plan.dropped_per_epoch)
+    files.config.write_text(to_yaml(cfg, resolved))
+    files.write_model_config(model.model_cfg, model.preprocess_cfg)
+    sources = [provenance_record(s.spec, s.manifest, s.num_samples) for s in data.sources]
+    files.provenance.write_text(json.dumps(provenance({"world_size": world_size, "data": sources}), indent=2))
+    files.log.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def setup(cfg: ExperimentConfig) -> Run:
+    """Everything a run needs, resuming the run folder's latest checkpoint (or ``resume``) when there is one."""
+    acc = make_accelerator(cfg)
+    rank, world = acc.process_index, acc.num_processes
+    files = RunFolder(cfg.resolved_run_dir)
+    ckpt, saved = resume_point(cfg.resume, files, cfg.model_dump(mode="json"))
+    data = build_data(cfg, world)
+    objective = build_objective_for(cfg, rank, world, data.schedule.num_samples)
+    targets = target_source(cfg, data.sources, objective)
+    model = build_model(cfg, objective)
+    state = TrainState(build_position(data.plan, saved, rank, world, ckpt))
+    loader = build_loader(cfg, data, model, objective, targets, state.position if saved is not None else None, rank,
+                          acc.device.type == "cuda")
+    module, optimizer = acc.prepare(model.module, make_optimizer(cfg, model.module))
+    objective.to(acc.device)
+    target_encoder = load_target_encoder(cfg.targets.model, str(acc.device)) if targets == "online" else None
+    records = restore_state(acc, objective, state, files, ckpt, saved) if saved is not None else []
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        write_run_files(files, cfg, data, model, targets, world, records)
+    acc.wait_for_everyone()
+    evaluator = None
+    if cfg.eval is not None:
+        evaluator = Evaluator(cfg.eval.jobs, batch_size=cfg.eval.batch_size, device=str(acc.device),
+                              num_workers=cfg.eval.num_workers, rank=rank, world_size=world)
+    run = Run(cfg, acc, module, objective, optimizer, loader, data.schedule, files, state,
+              preprocess=image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=False),
+              tokenizer=factory.make_tokenizer(model.model_cfg), target_encoder=target_encoder, evaluator=evaluator,
+              log=JsonlLog(files.log, records) if acc.is_main_process else None)
+    if cfg.train.log_with:
+        hparams = {k: str(v) if isinstance(v, (list, dict)) else v
+                   for k, v in flat_config(cfg.model_dump(mode="json")).items() if v is not None}
+        acc.init_trackers("mmpretrain", config=hparams | numeric(asdict(data.schedule), "resolved/"),
+                          init_kwargs={"wandb": {"name": cfg.name, "dir": str(files.root)}})
+    if saved is not None and acc.is_main_process:
+        print(f"resumed from {ckpt} at step {state.step}", file=sys.stderr)
+    return run

@@ -1,0 +1,33 @@
+"""``python -m mmpretrain.train --config FILE [a.b=value ...]`` (also ``accelerate launch -m mmpretrain.train``).
+Exit codes: 0 success, 1 the work failed, 2 bad arguments or config (before any work)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mmpretrain.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="YAML experiment config (see configs/)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100 data.batch_size=64")
+    args = p.parse_args(argv)
+    # The trainer imports torch, accelerate and open_clip (~5 s): after argument parsing, so that
+    # --help and usage errors answer at once.
+    from mmpretrain.config import ConfigError, load_config
+    from mmpretrain.train.build import setup
+    from mmpretrain.train.loop import fit
+
+    try:
+        run = setup(load_config(args.config, args.overrides))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        fit(run)
+    except FloatingPointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    run.accelerator.end_training()
+    return 0

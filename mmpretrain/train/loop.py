@@ -1,0 +1,149 @@
+"""``train_step`` (one optimizer step) and ``fit`` (the loop: log, diagnose, evaluate, checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object
+from tqdm import tqdm
+
+from mmpretrain.checkpoint import save_checkpoint
+from mmpretrain.grad_cache import StepResult, forward_backward
+from mmpretrain.hub import push_folder
+from mmpretrain.metrics import plot_run
+from mmpretrain.observe import all_ranks_skipped, diagnostics, evaluate, log_record
+from mmpretrain.schedule import lr_at
+from mmpretrain.train.state import Run
+
+
+def step_context(objective, step: int, batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """What the objective's forward receives besides the features: ``step``, ``epoch`` (1-based, the
+    stream epoch the batch belongs to) and the per-sample inputs it declares it needs."""
+    context: dict[str, Any] = {"step": step, "epoch": int(batch["epoch"]) + 1}
+    if objective.needs_labels:
+        context["labels"] = batch["labels"].to(device, non_blocking=True)
+    if objective.needs_sample_index:
+        context["sample_index"] = batch["sample_index"].to(device, non_blocking=True)
+    return context
+
+
+def agree_finite(accelerator, loss: torch.Tensor) -> bool:
+    """Whether the loss is finite on every rank (one all-reduce), so that every rank takes the same decision."""
+    bad = (~torch.isfinite(loss.detach())).float().reshape(1)
+    if accelerator.num_processes > 1:
+        bad = accelerator.reduce(bad.to(accelerator.device), reduction="sum")
+    return not bad.item()
+
+
+def train_step(run: Run, batch: dict[str, Any]) -> StepResult:
+    """One optimizer step on one batch (``batch["epoch"]``: its 0-based stream epoch); returns the
+    objective's terms, the loss and this rank's features. A non-finite loss skips the update
+    (``train.nonfinite=skip``) with zeroed terms, or raises FloatingPointError."""
+    cfg, acc, st, sched = run.cfg, run.accelerator, run.state, run.schedule
+    lr = lr_at(st.step, base_lr=cfg.optim.lr, warmup_steps=sched.warmup_steps, total_steps=sched.total_steps,
+               min_lr_ratio=cfg.optim.min_lr_ratio)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    images = batch["images"].to(acc.device, non_blocking=True)
+    targets = batch.get("target_embeddings")
+    if run.target_encoder is not None:
+        with torch.no_grad():
+            targets = run.target_encoder.encode(batch["texts"], convert_to_tensor=True, normalize_embeddings=True)
+    if targets is not None:
+        targets = targets.to(acc.device, non_blocking=True).float()
+    tokens = batch["tokens"].to(acc.device, non_blocking=True) if "tokens" in batch else None
+    res = forward_backward(acc, run.model, run.objective, images, tokens, targets,
+                           micro_batch=cfg.train.micro_batch_size, mode=cfg.train.micro_batch_mode,
+                           finite=lambda loss: agree_finite(acc, loss),
+                           context=step_context(run.objective, st.step, batch, acc.device))
+    res.terms["lr"] = lr
+    if not res.finite:
+        terms = ", ".join(f"{k}={float(v):.4g}" for k, v in res.terms.items() if k.endswith(("_loss", "_unweighted")))
+        st.nonfinite_steps += 1
+        if cfg.train.nonfinite == "stop" or st.nonfinite_steps > cfg.train.max_skipped_steps:
+            raise FloatingPointError(f"non-finite loss at step {st.step} ({terms}); the last checkpoint holds the "
+                                     "state before it (train.nonfinite=skip skips such steps)")
+        print(f"warning: non-finite loss at step {st.step} ({terms}): step skipped "
+              f"({st.nonfinite_steps}/{cfg.train.max_skipped_steps})", file=sys.stderr)
+        run.optimizer.zero_grad(set_to_none=True)
+        res.terms = {k: torch.zeros(()) if k.endswith(("_loss", "_unweighted")) else v for k, v in res.terms.items()}
+        res.loss = torch.zeros(())
+        return res
+    if cfg.optim.grad_clip_norm is not None:
+        acc.clip_grad_norm_(run.model.parameters(), cfg.optim.grad_clip_norm)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        acc.unwrap_model(run.model).clip.logit_scale.clamp_(0, math.log(cfg.train.max_logit_scale))
+    return res
+
+
+def fit(run: Run) -> dict[str, Any]:
+    cfg, acc, st, sched = run.cfg, run.accelerator, run.state, run.schedule
+    run.model.train()
+    bar = tqdm(total=sched.total_steps, initial=st.step, disable=not (acc.is_main_process and cfg.train.progress),
+               desc="train", unit="step")
+    it = iter(run.loader)
+    t0, last, last_step = time.time(), time.time(), st.step
+    rec: dict[str, Any] = {}
+    while st.step < sched.total_steps:
+        batch = next(it)
+        st.skipped.update(batch["skipped"])
+        st.position.advance(batch)
+        res = train_step(run, batch)
+        st.step += 1
+        st.samples += sched.global_batch_size
+        bar.update(1)
+        end = st.step == sched.total_steps
+        diag = bool(sched.diagnostics_every) and (st.step % sched.diagnostics_every == 0 or end)
+        if st.step % cfg.train.log_every == 0 or end or diag:
+            rec = log_record(run, res.terms, res.loss, res.terms["lr"], last, st.step - last_step)
+            if diag:
+                rec.update(diagnostics(run, res.features))
+            last, last_step = time.time(), st.step
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", scale=f"{rec['logit_scale']:.1f}",
+                            samples_s=f"{rec['samples_per_s']:.0f}")
+            run.write(rec)
+        if run.evaluator is not None and (st.step % cfg.eval.every == 0 or end):
+            run.write(evaluate(run))
+        if cfg.train.save_every and st.step % cfg.train.save_every == 0 and not end:
+            checkpoint(run)
+    bar.close()
+    ckpt = checkpoint(run)
+    if run.log is not None:
+        plot_run(run.log.records, run.histograms, run.files.plots)
+    summary = {"steps": st.step, "samples": st.samples, "seconds": round(time.time() - t0, 1),
+               "final": rec, "checkpoint": str(ckpt)}
+    if acc.is_main_process:
+        print(json.dumps(summary))
+    return summary
+
+
+def checkpoint(run: Run) -> Path:
+    """Save a checkpoint of the current step (every rank); ``hub.push_every``: upload it (main process)."""
+    ckpt = save_checkpoint(run.accelerator, run.files, run.state.step, train_state_json(run), run.cfg.train.keep_last,
+                           run.objective.state_dict())
+    hub = run.cfg.hub
+    if hub is not None and hub.push_every and run.state.step % hub.push_every == 0 and run.accelerator.is_main_process:
+        push_folder(ckpt, hub.repo_id, private=hub.private, revision=hub.revision,
+                    path_in_repo=f"checkpoints/{ckpt.name}", commit_message=f"checkpoint at step {run.state.step}")
+    return ckpt
+
+
+def train_state_json(run: Run) -> dict[str, Any]:
+    """The train state as the checkpoint stores it (call on every rank): counters, every rank's
+    stream position (``loader[rank]``) for an exact resume, and the config it was trained with."""
+    st = run.state
+    positions = [st.position.state()]
+    if run.accelerator.num_processes > 1:
+        positions = gather_object(positions)
+    return {"samples": st.samples, "epoch": run.schedule.epoch_at(st.step), "schedule": asdict(run.schedule),
+            "skipped": all_ranks_skipped(run.accelerator, st.skipped), "loader": positions,
+            "nonfinite_steps": st.nonfinite_steps, "config": run.cfg.model_dump(mode="json")}

@@ -1,0 +1,58 @@
+"""What a run is made of (:class:`Run`) and what it counts as it goes (:class:`TrainState`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+
+from mmpretrain.config import ExperimentConfig
+from mmpretrain.data.stream import StreamPosition
+from mmpretrain.eval import Evaluator
+from mmpretrain.losses import WeightedObjective
+from mmpretrain.observe import numeric
+from mmpretrain.run_files import JsonlLog, RunFolder
+from mmpretrain.schedule import Schedule
+
+
+@dataclass
+class TrainState:
+    """The counters a checkpoint restores besides weights, optimizer and RNG: optimizer steps taken,
+    samples seen (all ranks), skipped steps, this rank's stream position, and skipped samples by
+    reason (this rank's since the start; after a resume the main process also holds the saved sums)."""
+
+    position: StreamPosition
+    step: int = 0
+    samples: int = 0
+    nonfinite_steps: int = 0
+    skipped: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass
+class Run:
+    cfg: ExperimentConfig
+    accelerator: Accelerator
+    model: torch.nn.Module  # the DualEncoder, prepared by accelerate
+    objective: WeightedObjective
+    optimizer: torch.optim.Optimizer
+    loader: DataLoader | None
+    schedule: Schedule
+    files: RunFolder
+    state: TrainState
+    preprocess: Callable | None = None  # evaluation image transform and tokenizer, for the evaluator
+    tokenizer: Callable | None = None
+    target_encoder: Any = None  # a SentenceTransformer with targets.source=online
+    evaluator: Evaluator | None = None
+    log: JsonlLog | None = None  # main process only
+    histograms: dict[str, list[float]] | None = None  # of the last diagnostics batch
+
+    def write(self, rec: dict[str, Any]) -> None:
+        """A log record: log.jsonl and the trackers (main process)."""
+        if self.log is not None and rec:
+            self.log.write(rec)
+            self.accelerator.log(numeric(rec), step=rec["step"])
