@@ -86,16 +86,23 @@ def stats_folder(folder: Path, plot: bool = True) -> dict:
     sizes = read_sizes(folder)
     words, widths, heights, labels = [], [], [], Counter()
     with_emb = 0
+    unreadable = []
     for name in sorted(sizes):
-        for s in read_tar(folder / name):
-            words.append(len(s.get("txt", b"").decode("utf-8", "replace").split()))
-            if "json" in s:
-                meta = json.loads(s["json"])
-                widths.append(meta.get("width", 0))
-                heights.append(meta.get("height", 0))
-                if "label_name" in meta:
-                    labels[meta["label_name"]] += 1
-            with_emb += "emb.npy" in s
+        try:
+            for s in read_tar(folder / name):
+                words.append(len(s.get("txt", b"").decode("utf-8", "replace").split()))
+                try:
+                    meta = json.loads(s["json"]) if "json" in s else None
+                except ValueError:
+                    meta = None
+                if isinstance(meta, dict):
+                    widths.append(meta.get("width", 0))
+                    heights.append(meta.get("height", 0))
+                    if "label_name" in meta:
+                        labels[meta["label_name"]] += 1
+                with_emb += "emb.npy" in s
+        except UNREADABLE as e:  # counted up to the damage; `verify` tells the whole story
+            unreadable.append(f"{name}: {e.__class__.__name__}: {e}")
 
     def summary(xs):
         if not xs:
@@ -115,6 +122,8 @@ def stats_folder(folder: Path, plot: bool = True) -> dict:
         "labels": dict(labels.most_common()),
         "skipped_at_build": read_manifest(folder).get("skipped", {}),
     }
+    if unreadable:
+        out["unreadable_shards"] = unreadable
     if plot and words:
         out["plot"] = str(_plot(folder, words, widths, heights))
     return out

@@ -146,12 +146,17 @@ class TrainConfig(_Strict):
         "stop", description="a non-finite loss: stop (exit 1, no checkpoint of the bad state) or skip the step")
     max_skipped_steps: int = Field(10, ge=0, description="with nonfinite=skip: stop after this many skipped steps")
 
+    @field_validator("diagnostics_every", mode="before")
+    @classmethod
+    def _cadence(cls, v: Any) -> Any:
+        if v is None or v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            return v
+        raise ValueError("must be a positive number of steps, auto, or null (off)")
+
     @model_validator(mode="after")
     def _duration(self) -> TrainConfig:
         if (self.epochs is None) == (self.steps is None):
             raise ValueError("set exactly one of train.epochs and train.steps")
-        if isinstance(self.diagnostics_every, int) and self.diagnostics_every <= 0:
-            raise ValueError("train.diagnostics_every must be a positive number of steps, auto, or null (off)")
         return self
 
 
@@ -216,7 +221,7 @@ class ExperimentConfig(_Strict):
             raise ValueError(f"train.micro_batch_size={m} must divide data.batch_size={self.data.batch_size} "
                              "and be smaller (or leave it unset)")
         if m is not None and self.train.micro_batch_mode == "accumulate":
-            whole = next((t.name for t in self.loss if t.build().whole_batch), None)
+            whole = next((t.name for t in self.loss if getattr(t.build(), "whole_batch", False)), None)
             if whole:
                 raise ValueError(f"loss {whole} needs the whole batch in one objective call: use "
                                  "train.micro_batch_mode=grad_cache with train.micro_batch_size")

@@ -21,7 +21,6 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -39,40 +38,18 @@ CLIP_PREFIX = "clip."  # DualEncoder.clip: the open_clip model inside the traine
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 
 
-@dataclass(frozen=True)
 class RunFolder:
-    root: Path
+    """The files of one run folder (nothing is created until written)."""
 
-    def __post_init__(self):
-        object.__setattr__(self, "root", Path(self.root))
-
-    @property
-    def config(self) -> Path:
-        return self.root / "config.yaml"
-
-    @property
-    def model_config(self) -> Path:
-        return self.root / "model_config.json"
-
-    @property
-    def provenance(self) -> Path:
-        return self.root / "provenance.json"
-
-    @property
-    def log(self) -> Path:
-        return self.root / "log.jsonl"
-
-    @property
-    def results(self) -> Path:
-        return self.root / "results.json"
-
-    @property
-    def plots(self) -> Path:
-        return self.root / "plots"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / CHECKPOINTS
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.config = self.root / "config.yaml"
+        self.model_config = self.root / "model_config.json"
+        self.provenance = self.root / "provenance.json"
+        self.log = self.root / "log.jsonl"
+        self.results = self.root / "results.json"
+        self.plots = self.root / "plots"
+        self.checkpoints = self.root / CHECKPOINTS
 
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints / f"step_{step:08d}"

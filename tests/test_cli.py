@@ -27,3 +27,5 @@ def test_bad_arguments_exit_2(tmp_path):
     assert run_cli("mmpretrain.eval", "--model", str(tmp_path), "--dataset", str(tmp_path),
                    "--task", "zeroshot_classification").returncode == 2
     assert run_cli("mmpretrain.export", str(tmp_path), "--out", str(tmp_path / "x")).returncode == 2
+    r = run_cli("mmpretrain.eval", "--model", str(tmp_path), "--dataset", str(tmp_path / "missing"), "--task", "knn")
+    assert r.returncode == 2 and "no such folder" in r.stderr

@@ -53,6 +53,8 @@ def test_defaults_yaml_overrides_precedence(tmp_path):
         (BASE, ["model.lock_text=true", "model.text_from_targets=true", "model.lock_text_unlocked_layers=2"],
          "lock_text_unlocked_layers=0"),
         (BASE, ["optim.lr=-1"], "optim.lr"),
+        (BASE, ["train.diagnostics_every=0"], "train.diagnostics_every: must be a positive number of steps, auto"),
+        (BASE, ["train.diagnostics_every=often"], "train.diagnostics_every: must be a positive number"),
         (BASE, ["loss=[{name: regions, options: {scales: []}}]"], "scales=[] must be a non-empty list"),
         (BASE, ["loss=[{name: regions}]", "data.batch_size=64", "train.micro_batch_size=32",
                 "train.micro_batch_mode=accumulate"], "loss regions needs the whole batch"),

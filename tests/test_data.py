@@ -73,3 +73,8 @@ def test_verify_catches_corruption(openmoji, tmp_path):
     r = run_cli("data_tools", "verify", str(bad))
     assert r.returncode == 1
     assert shard.name in r.stdout
+    # stats reads what it can and names the shard it could not read (no traceback)
+    r = run_cli("data_tools", "stats", str(bad))
+    assert r.returncode == 0, r.stderr[-2000:]
+    stats = json.loads(r.stdout)[0]
+    assert [u.split(":")[0] for u in stats["unreadable_shards"]] == [shard.name] and stats["samples"] > 0

@@ -187,6 +187,8 @@ def load_splits(spec: str, need_train: bool = True) -> tuple[EvalDataset | None,
     ``data_tools build`` writes them), or clip_benchmark's layout with ``train/`` and ``test/`` tars.
     Clustering needs only a test split: any dataset ``load_dataset`` reads works."""
     root = Path(spec.split(":", 1)[1] if spec.startswith(("wds:", "shards:")) else spec)
+    if not spec.startswith("hf:") and not root.is_dir():
+        raise FileNotFoundError(f"--dataset {spec}: no such folder")
     if (root / "train" / "sizes.json").is_file() and (root / "test" / "sizes.json").is_file():
         name = f"{root.resolve().name}-test"
         return (load_dataset(str(root / "train"), name=f"{root.resolve().name}-train") if need_train else None,

@@ -35,6 +35,11 @@ LOSSES: dict[str, type[Objective]] = {
 }
 
 
+def _any_term(flag: str) -> property:
+    return property(lambda self: any(getattr(t, flag, False) for t in self.terms),
+                    doc=f"whether any term declares {flag}")
+
+
 class WeightedObjective(nn.Module):
     """A weighted sum of named terms. Returns each term's ``*_loss`` already weighted (so the
     trainer's sum of ``*_loss`` keys is the objective) plus ``<key>_unweighted`` for logging. It needs
@@ -46,24 +51,10 @@ class WeightedObjective(nn.Module):
         self.weights = [float(w) for _, w, _ in terms]
         self.terms = nn.ModuleList([m for _, _, m in terms])
 
-    def _any(self, flag: str) -> bool:
-        return any(getattr(t, flag, False) for t in self.terms)
-
-    @property
-    def needs_targets(self) -> bool:
-        return self._any("needs_targets")
-
-    @property
-    def needs_labels(self) -> bool:
-        return self._any("needs_labels")
-
-    @property
-    def needs_sample_index(self) -> bool:
-        return self._any("needs_sample_index")
-
-    @property
-    def whole_batch(self) -> bool:
-        return self._any("whole_batch")
+    needs_targets = _any_term("needs_targets")
+    needs_labels = _any_term("needs_labels")
+    needs_sample_index = _any_term("needs_sample_index")
+    whole_batch = _any_term("whole_batch")
 
     @property
     def init_logit_scale(self) -> float:
@@ -101,7 +92,7 @@ def build_objective(terms: Sequence[dict], rank: int = 0, world_size: int = 1,
         seen.add(name)
         cls = LOSSES[name]
         options = dict(t.get("options", {}))
-        if cls.needs_dataset_size and dataset_size is not None:
+        if getattr(cls, "needs_dataset_size", False) and dataset_size is not None:
             options.setdefault("dataset_size", dataset_size)
         built.append((name, t.get("weight", 1.0), cls(rank=rank, world_size=world_size, **options)))
     return WeightedObjective(built)
