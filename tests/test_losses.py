@@ -234,11 +234,14 @@ DIST_CASES = [
 
 
 def _loss_and_grads(name, options, x, y, t, **ctor):
+    """The loss and its gradients for the features, the logit scale and the bias (model parameters)."""
+    scale = torch.tensor(9.0, dtype=torch.float64, requires_grad=True)
+    bias = torch.tensor(-2.0, dtype=torch.float64, requires_grad=True)
     out = LOSSES[name](**ctor, **options)(
-        image_features=x, text_features=y, logit_scale=torch.tensor(9.0, dtype=torch.float64),
-        logit_bias=torch.tensor(-2.0, dtype=torch.float64), target_embeddings=t)[f"{name}_loss"]
-    gx, gy = torch.autograd.grad(out, (x, y), allow_unused=True)
-    return out.detach(), *(torch.zeros_like(x) if g is None else g for g in (gx, gy))
+        image_features=x, text_features=y, logit_scale=scale, logit_bias=bias, target_embeddings=t)[f"{name}_loss"]
+    leaves = (x, y, scale, bias)
+    g = torch.autograd.grad(out, leaves, allow_unused=True)
+    return out.detach(), *(torch.zeros_like(v) if gi is None else gi for gi, v in zip(g, leaves))
 
 
 def _rank_losses(rank, world):
@@ -263,7 +266,7 @@ def test_two_ranks_equal_one_process(two_rank_results, case):
     world = 2
     name, options = DIST_CASES[case]
     x, y, t = inputs(5)
-    full, gx, gy = _loss_and_grads(name, options, x, y, t)
+    full, gx, gy, gs, gb = _loss_and_grads(name, options, x, y, t)
     res = [r[case] for r in two_rank_results]
     # mean over ranks of the losses == the one-process loss
     torch.testing.assert_close(torch.stack([r[0] for r in res]).mean(), full, **TOL)
@@ -271,3 +274,6 @@ def test_two_ranks_equal_one_process(two_rank_results, case):
     # the one-process gradient of its slice
     torch.testing.assert_close(torch.cat([r[1] for r in res]) / world, gx, **TOL)
     torch.testing.assert_close(torch.cat([r[2] for r in res]) / world, gy, **TOL)
+    # every parameter, not only the features: DDP's average of the scale's and bias's gradients
+    torch.testing.assert_close(torch.stack([r[3] for r in res]).mean(), gs, **TOL)
+    torch.testing.assert_close(torch.stack([r[4] for r in res]).mean(), gb, **TOL)
