@@ -64,6 +64,12 @@ class ClipLoss(Objective):
     ) -> dict[str, torch.Tensor]:
         """``image_features (B, D)``, ``text_features (B, D)`` local to this rank, normalised."""
         b = image_features.shape[0]
+        if not self.gather_with_grad and self.world_size > 1:
+            # Each rank back-propagates only into its own slice of the features, which DDP's 1/world
+            # averaging would shrink: scale that slice's gradient back up. The scale's (and bias's)
+            # gradient is already the whole batch's on every rank and stays as it is.
+            image_features = scale_grad(image_features, float(self.world_size))
+            text_features = scale_grad(text_features, float(self.world_size))
         if self.gather_with_grad or self.world_size == 1:
             all_img = gather_with_grad(image_features, self.world_size)
             all_txt = gather_with_grad(text_features, self.world_size)
@@ -83,10 +89,6 @@ class ClipLoss(Objective):
         if self.chunk_size is None:
             # a logit bias shifts every logit of a row equally: cross-entropy ignores it
             loss = 0.5 * (F.cross_entropy(logits_i, labels) + F.cross_entropy(logits_t, labels))
-        if not self.gather_with_grad and self.world_size > 1:
-            # Each rank only back-propagates into its own slice; DDP's 1/world averaging then needs
-            # the full-matrix gradient scaled back up to match one process.
-            loss = scale_grad(loss, float(self.world_size))
         return {"clip_loss": loss}
 
     def _tiled(self, x, y, all_x, all_y, scale):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn as dist_nn
 
 
 def gather_with_grad(x: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -12,9 +13,7 @@ def gather_with_grad(x: torch.Tensor, world_size: int) -> torch.Tensor:
     ``gather_with_grad``)."""
     if world_size == 1:
         return x
-    import torch.distributed.nn
-
-    return torch.cat(torch.distributed.nn.all_gather(x), dim=0)
+    return torch.cat(dist_nn.all_gather(x), dim=0)
 
 
 def gather_no_grad(x: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -26,8 +25,8 @@ def gather_no_grad(x: torch.Tensor, world_size: int) -> torch.Tensor:
     return torch.cat(out, dim=0)
 
 
-def scale_grad(loss: torch.Tensor, factor: float) -> torch.Tensor:
-    """Same value as ``loss``, gradient multiplied by ``factor``."""
+def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """Same value as ``x``; the gradient flowing back through it is multiplied by ``factor``."""
     if factor == 1:
-        return loss
-    return loss + (factor - 1) * (loss - loss.detach())
+        return x
+    return x + (factor - 1) * (x - x.detach())
