@@ -93,7 +93,7 @@ class ClipLoss(Objective):
 
     def _tiled(self, x, y, all_x, all_y, scale):
         """CE = LSE - positive logit, with the LSEs from column tiles (never B x B)."""
-        scale = torch.as_tensor(scale, dtype=x.dtype, device=x.device)
+        scale = torch.as_tensor(scale, device=x.device)  # pair_ce runs in at least fp32
         if self.local_loss:
             offset = self.rank * x.shape[0]
             row_i, _ = pair_ce(x, all_y, scale, self.chunk_size, offset)

@@ -42,7 +42,10 @@ class SigmoidLoss(Objective):
         """``sum_ij softplus(l_ij)``, minus the positives' logits ``l_{i,i+offset}`` when given."""
         if self.chunk_size is not None:
             return softplus_sum(a, b, scale, bias, self.chunk_size, offset)
-        total = F.softplus(scale * a @ b.T + bias).sum()
+        # the products may run in bf16/fp16 (autocast); the softplus and its N^2-term sum in at least
+        # fp32 (an fp16 sum of 256^2 softplus terms passes 65,504)
+        z = a @ b.T
+        total = F.softplus(z.to(torch.promote_types(z.dtype, torch.float32)) * scale + bias).sum()
         if offset is not None:
             total = total - (scale * (a * b[offset:offset + a.shape[0]]).sum(1) + bias).sum()
         return total

@@ -30,12 +30,15 @@ from mmpretrain.losses.tiled import pair_ce, pair_lse, target_matmul
 
 def soft_targets(local_t: torch.Tensor, all_t: torch.Tensor, tau: float, mask_offset: int | None = None):
     """Rows of ``softmax_r(T T^T / tau)`` for ``local_t (b, E)`` against ``all_t (N, E)``.
-    ``mask_offset`` masks entry ``(i, i + offset)`` (the trivial self pair)."""
-    sim = (local_t @ all_t.T) / tau
-    if mask_offset is not None:
-        idx = torch.arange(local_t.shape[0], device=sim.device)
-        sim[idx, idx + mask_offset] = float("-inf")
-    return sim.softmax(dim=1)
+    ``mask_offset`` masks entry ``(i, i + offset)`` (the trivial self pair). In at least fp32 with
+    autocast off: a bf16 ``T T^T / tau`` at tau = 0.1 moves the targets themselves."""
+    with torch.autocast(local_t.device.type, enabled=False):
+        local_t, all_t = (t.to(torch.promote_types(t.dtype, torch.float32)) for t in (local_t, all_t))
+        sim = (local_t @ all_t.T) / tau
+        if mask_offset is not None:
+            idx = torch.arange(local_t.shape[0], device=sim.device)
+            sim[idx, idx + mask_offset] = float("-inf")
+        return sim.softmax(dim=1)
 
 
 class SoftTargetLoss(Objective):
@@ -130,8 +133,8 @@ class SoftTargetLoss(Objective):
     def _tiled_image_text(self, x, y, all_x, all_y, t_local, t_all, scale):
         """``CE_i = LSE_i - sum_j G_ij z_ij``: LSEs from tiles, the cross term as ``x_i . (G Y)_i``
         with ``G Y`` built tile by tile. Bias cancels (rows of G sum to 1)."""
-        scale = torch.as_tensor(scale, dtype=x.dtype, device=x.device)
-        t_local, t_all = t_local.to(x.dtype), t_all.to(x.dtype)
+        # the tiled functions run in at least fp32 (tiled.py); the targets stay in theirs
+        scale = torch.as_tensor(scale, device=x.device)
         if self.world_size == 1:
             row_i, row_t = pair_ce(x, y, scale, self.chunk_size, offset=y.shape[0], want_col=True)
         else:

@@ -9,12 +9,26 @@ the saved inputs. Peak loss-internal memory is a few tiles plus the per-row stat
 * :func:`softplus_sum`: ``sum_ij softplus(s a_i.b_j + bias)`` minus the positives' logits (SigLIP).
 * :func:`target_matmul`: ``G V`` with ``G = softmax_r(T_rows T_cols^T / tau)`` built tile by tile
   (the soft-target cross term), gradient into ``V`` only (targets are constants).
+
+Mixed precision: the forward keeps running log-sum-exps that the backward's recomputed tiles must
+match exactly (``exp(z - LSE)`` has to sum to 1), so both run in at least fp32 with autocast off,
+whatever the caller's autocast (bf16 tiles in the forward against fp32 tiles in the backward gave
+a 16 % gradient error). Inputs in bf16/fp16 are cast up; their gradients come back in their dtype.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def _full(*tensors):
+    """Each tensor in at least fp32 (a float64 input stays float64)."""
+    return tuple(t.to(torch.promote_types(t.dtype, torch.float32)) for t in tensors)
+
+
+def _no_autocast(t: torch.Tensor):
+    return torch.autocast(t.device.type, enabled=False)
 
 
 def _tiles(n: int, chunk: int):
@@ -63,6 +77,11 @@ class _PairCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_row, g_col):
+        with _no_autocast(ctx.saved_tensors[0]):
+            return _PairCE._backward(ctx, g_row, g_col)
+
+    @staticmethod
+    def _backward(ctx, g_row, g_col):
         a, b, scale, row, col, pos = ctx.saved_tensors
         n, m, off = a.shape[0], b.shape[0], ctx.offset
         lo, hi = _diag(n, m, off)
@@ -99,8 +118,10 @@ class _PairCE(torch.autograd.Function):
 def pair_ce(a: torch.Tensor, b: torch.Tensor, scale, chunk: int, offset: int = 0, want_col: bool = False):
     """Per-row (and per-column) InfoNCE terms of ``s a b^T`` with positives on the ``offset``
     diagonal, for ``a (n, D)``, ``b (m, D)``: ``row (n,)``, ``col (m,)`` (empty unless asked)."""
-    scale = torch.as_tensor(scale, dtype=a.dtype, device=a.device)
-    return _PairCE.apply(a, b, scale, chunk, offset, want_col)
+    with _no_autocast(a):
+        a, b = _full(a, b)
+        scale = torch.as_tensor(scale, device=a.device).to(a.dtype)
+        return _PairCE.apply(a, b, scale, chunk, offset, want_col)
 
 
 def pair_lse(a: torch.Tensor, b: torch.Tensor, scale, chunk: int):
@@ -124,6 +145,11 @@ class _SoftplusSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        with _no_autocast(ctx.saved_tensors[0]):
+            return _SoftplusSum._backward(ctx, g)
+
+    @staticmethod
+    def _backward(ctx, g):
         a, b, scale, bias = ctx.saved_tensors
         ga, gb = torch.zeros_like(a), torch.zeros_like(b)
         gs = torch.zeros((), dtype=a.dtype, device=a.device)
@@ -151,9 +177,11 @@ def softplus_sum(a: torch.Tensor, b: torch.Tensor, scale, bias, chunk: int, offs
     """``sum_ij softplus(s a_i.b_j + bias)`` for ``a (n, D)``, ``b (m, D)``, minus the logits
     ``s a_i.b_{i+offset} + bias`` of the positives when ``offset`` is given (SigLIP:
     ``-log sigmoid(l) = softplus(l) - l``)."""
-    scale = torch.as_tensor(scale, dtype=a.dtype, device=a.device)
-    bias = torch.as_tensor(0.0 if bias is None else bias, dtype=a.dtype, device=a.device)
-    return _SoftplusSum.apply(a, b, scale, bias, chunk, offset)
+    with _no_autocast(a):
+        a, b = _full(a, b)
+        scale = torch.as_tensor(scale, device=a.device).to(a.dtype)
+        bias = torch.as_tensor(0.0 if bias is None else bias, device=a.device).to(a.dtype)
+        return _SoftplusSum.apply(a, b, scale, bias, chunk, offset)
 
 
 class _TargetMatmul(torch.autograd.Function):
@@ -184,6 +212,11 @@ class _TargetMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        with _no_autocast(grad_out):
+            return _TargetMatmul._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         t_rows, t_cols, row_lse = ctx.saved_tensors
         gv = grad_out.new_zeros((t_cols.shape[0], grad_out.shape[1]))
         for i0, i1 in _tiles(t_rows.shape[0], ctx.chunk):
@@ -196,4 +229,6 @@ class _TargetMatmul(torch.autograd.Function):
 def target_matmul(v: torch.Tensor, t_rows: torch.Tensor, t_cols: torch.Tensor, tau: float, chunk: int) -> torch.Tensor:
     """``softmax_r(t_rows t_cols^T / tau) @ v`` for ``v (m, D)``, ``t_rows (n, E)``, ``t_cols (m, E)``
     (targets detached); the gradient flows into ``v``."""
-    return _TargetMatmul.apply(v, t_rows.detach(), t_cols.detach(), tau, chunk)
+    with _no_autocast(v):
+        v, t_rows, t_cols = _full(v, t_rows.detach(), t_cols.detach())
+        return _TargetMatmul.apply(v, t_rows, t_cols, tau, chunk)
