@@ -2,8 +2,8 @@
 
 ``mode="grad_cache"`` (Gao et al. 2021, "Scaling Deep Contrastive Learning Batch Size under Memory
 Limited Setup"): a no-grad forward over the micro-batches caches the features; the objective runs
-once on the whole batch with the features (and the logit scale and bias) as leaves and backward gives
-``dL/dfeatures``; each micro-batch is then forwarded again with grad and back-propagated with its
+once on the whole batch with the features (and the logit scale and bias) as leaves, in at least fp32
+with autocast off (its backward is not under the fp16 loss scaler), and backward gives ``dL/dfeatures``; each micro-batch is then forwarded again with grad and back-propagated with its
 slice of those gradients (the scale's and bias's gradients enter with the last one). The parameter
 gradient equals the whole batch's for towers without batch statistics: random ops (dropout, patch
 dropout) are replayed by restoring each micro-batch's RNG state before its second forward; BatchNorm
@@ -50,6 +50,10 @@ def _set_rng_state(state, device: torch.device) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1], device)
+
+
+def _full(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def _sub(x, s):
@@ -114,12 +118,15 @@ def forward_backward(accelerator, model, objective, images, tokens=None, targets
             img.append(f["image_features"])
             txt.append(f["text_features"])
     after = _rng_state(device)
-    img = torch.cat(img).detach().requires_grad_()
-    txt = torch.cat(txt).detach().requires_grad_()
+    # The objective's backward runs here, outside the fp16 GradScaler: its dL/dfeatures (~1/N^2) would
+    # underflow in fp16 at large N. So it runs in (at least) fp32 on up-cast features, autocast off;
+    # the towers' backward below goes through accelerator.backward, scaled as usual.
+    img = _full(torch.cat(img).detach()).requires_grad_()
+    txt = _full(torch.cat(txt).detach()).requires_grad_()
     clip = acc.unwrap_model(model).clip
     scale = clip.logit_scale.detach().exp().requires_grad_()
     bias = clip.logit_bias.detach().clone().requires_grad_() if clip.logit_bias is not None else None
-    with acc.autocast():
+    with torch.autocast(device.type, enabled=False):
         out = objective(image_features=img, text_features=txt, logit_scale=scale, logit_bias=bias,
                         target_embeddings=targets, **kw)
     total = total_of(out)
