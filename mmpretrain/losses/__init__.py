@@ -35,8 +35,9 @@ LOSSES: dict[str, type[Objective]] = {
 }
 
 
-def _any_term(flag: str) -> property:
-    return property(lambda self: any(getattr(t, flag, False) for t in self.terms),
+def _any_term(flag: str, default: bool = False) -> property:
+    """Whether any term declares ``flag`` (``default`` for a term that says nothing)."""
+    return property(lambda self: any(getattr(t, flag, default) for t in self.terms),
                     doc=f"whether any term declares {flag}")
 
 
@@ -55,6 +56,8 @@ class WeightedObjective(nn.Module):
     needs_labels = _any_term("needs_labels")
     needs_sample_index = _any_term("needs_sample_index")
     whole_batch = _any_term("whole_batch")
+    uses_logit_scale = _any_term("uses_logit_scale", default=True)
+    uses_logit_bias = _any_term("uses_logit_bias")
 
     @property
     def init_logit_scale(self) -> float:

@@ -28,6 +28,7 @@ def uniformity(x: torch.Tensor, t: float = 2.0) -> torch.Tensor:
 
 
 class AlignUniformLoss(Objective):
+    uses_logit_scale = False
 
     def __init__(self, *, t: float = 2.0, rank: int = 0, world_size: int = 1, chunk_size: int | None = None):
         super().__init__()

@@ -11,7 +11,10 @@ its forward reads beyond the features, and the trainer provides exactly that:
 - ``needs_dataset_size``: the constructor is given ``dataset_size`` (samples per epoch) unless its
   options set it;
 - ``whole_batch``: it must see the whole batch in one call, so plain micro-batch accumulation is refused
-  (gradient caching is fine).
+  (gradient caching is fine);
+- ``uses_logit_scale`` / ``uses_logit_bias``: whether its loss depends on the model's scale / bias. The
+  trainer freezes the ones no term uses, since DDP stops at the second step on a registered parameter
+  that gets no gradient (and an unused parameter would only decay).
 
 Every forward also receives the step context ``step`` (the optimizer step, from 0) and ``epoch`` (the
 1-based epoch of the batch being trained on, from the stream), and ignores keywords it does not use.
@@ -35,3 +38,5 @@ class Objective(nn.Module):
     needs_sample_index: bool = False
     needs_dataset_size: bool = False
     whole_batch: bool = False
+    uses_logit_scale: bool = True
+    uses_logit_bias: bool = False

@@ -134,6 +134,14 @@ class RegionLoss(Objective):
     def needs_sample_index(self) -> bool:
         return self.global_term.needs_sample_index
 
+    @property
+    def uses_logit_scale(self) -> bool:
+        return self.global_term.uses_logit_scale
+
+    @property
+    def uses_logit_bias(self) -> bool:
+        return self.global_term.uses_logit_bias
+
     def __init__(
         self,
         *,

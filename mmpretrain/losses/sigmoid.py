@@ -25,6 +25,7 @@ from mmpretrain.losses.tiled import softplus_sum
 
 
 class SigmoidLoss(Objective):
+    uses_logit_bias = True
     init_logit_scale = math.log(10)
     init_logit_bias = -10.0
 

@@ -18,6 +18,7 @@ from mmpretrain.losses.distributed import gather_with_grad
 
 
 class VrnLoss(Objective):
+    uses_logit_scale = False
     needs_dataset_size = True
 
     def __init__(self, *, delta: float | None = None, dataset_size: int | None = None, rank: int = 0,

@@ -107,6 +107,11 @@ def build_model(cfg: ExperimentConfig, objective: WeightedObjective) -> Model:
         )
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
+    # a scale or bias no term uses would get no gradient: DDP stops at the second step on it
+    if not objective.uses_logit_scale:
+        module.clip.logit_scale.requires_grad_(False)
+    if module.clip.logit_bias is not None and not objective.uses_logit_bias:
+        module.clip.logit_bias.requires_grad_(False)
     return Model(module, model_cfg, factory.default_preprocess_cfg(model_cfg))
 
 
