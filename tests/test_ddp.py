@@ -22,3 +22,9 @@ def test_ddp_trains_objectives_that_leave_a_parameter_unused(openmoji, tmp_path)
     res = _launch(openmoji, tmp_path, "unused")
     for case in ("vrn", "align_uniform", "clip_with_bias"):
         assert res.get(f"unused_{case}") == "ok", res
+
+
+def test_each_rank_draws_its_own_dropout_masks(openmoji, tmp_path):
+    res = _launch(openmoji, tmp_path, "masks")
+    assert res["same_initial_weights"], res  # the model starts the same on every rank
+    assert res["masks_differ"], res  # but patch dropout on the same images draws other masks on rank 1
