@@ -191,6 +191,9 @@ def setup(cfg: ExperimentConfig) -> Run:
     objective = build_objective_for(cfg, rank, world, data.schedule.num_samples)
     targets = target_source(cfg, data.sources, objective)
     model = build_model(cfg, objective)
+    # the same initial weights on every rank (seeded above), then each rank its own random stream, so
+    # that dropout and patch dropout draw different masks on different ranks (seed + rank)
+    set_seed(cfg.seed, device_specific=True)
     state = TrainState(build_position(data.plan, saved, rank, world, ckpt))
     loader = build_loader(cfg, data, model, objective, targets, state.position if saved is not None else None, rank,
                           acc.device.type == "cuda")

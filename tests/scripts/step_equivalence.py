@@ -34,7 +34,10 @@ def main(out_path: str) -> None:
                                  "optim.warmup_steps=1", "optim.lr=1e-3", "optim.grad_clip_norm=1.0",
                                  "loss=[{name: clip}, {name: soft_target, weight: 0.5}]", *extra])
         torch.manual_seed(0)
-        model_cfg = resolve_model_cfg("mmpt-tiny-vit", None, {"vision_cfg": {"layers": 2}, "text_cfg": {"layers": 2}})
+        # no dropout or patch dropout: the towers are deterministic, so the per-rank random streams
+        # (each rank its own masks, tests/test_ddp.py) cannot make 2 processes differ from 1 here
+        model_cfg = resolve_model_cfg("mmpt-tiny-vit", None, {"vision_cfg": {"layers": 2, "patch_dropout": 0.0},
+                                                              "text_cfg": {"layers": 2}})
         model = build_dual_encoder(model_cfg, lock_text=False, text_from_targets=False).double()
         objective = build_objective([t.model_dump() for t in cfg.loss], rank=rank, world_size=world,
                                     dataset_size=1000)
