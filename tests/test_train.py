@@ -307,3 +307,26 @@ def test_objectives_receive_the_stream_epoch_across_a_dropped_remainder_and_a_re
     fit(setup(config(b)))
     assert [(c["step"], c["epoch"]) for c in _Recording.calls] == [(c["step"], c["epoch"]) for c in calls[save:]]
     assert [c["index"] for c in _Recording.calls] == [c["index"] for c in calls[save:]]
+
+
+def test_evaluation_during_training_keeps_a_locked_tower_locked(openmoji, tmp_path):
+    """LiT: a locked text tower runs without dropout. Evaluating during training must leave it so: the
+    tower is still in eval mode after each evaluation, and the losses equal a run without evaluations."""
+    from mmpretrain.config import load_config
+    from mmpretrain.train import fit, setup
+
+    def run(name, *extra):
+        cfg = load_config(ROOT / "configs/demo.yaml", [
+            f"data.train={openmoji / 'train'}", f"run_dir={tmp_path / name}", *COMMON, "data.num_workers=0",
+            "train.steps=3", "train.save_every=null", "model.text_from_targets=false", *extra])
+        r = setup(cfg)
+        fit(r)
+        return r, [x["loss"] for x in map(json.loads, (tmp_path / name / "log.jsonl").read_text().splitlines())
+                   if "loss" in x]
+
+    evaluated, with_eval = run("eval", f"eval={{every: 1, datasets: [{openmoji}], tasks: [zeroshot_classification], "
+                                       "num_workers: 0}")
+    _, without = run("plain")
+    assert with_eval == without
+    clip = evaluated.accelerator.unwrap_model(evaluated.model).clip
+    assert not clip.text.training and clip.visual.training
