@@ -74,6 +74,9 @@ def evaluate(run: Any) -> dict[str, Any]:
     """The configured evaluations on every rank; results.json gets them under model ``step_N``."""
     clip = run.accelerator.unwrap_model(run.model).clip
     entries = run.evaluator.run(clip, run.preprocess, run.tokenizer, model_name=f"step_{run.state.step}")
+    # the evaluator restored the open_clip model's train mode, which would put a locked (LiT) tower
+    # back into dropout: the DualEncoder's train() puts it back in eval mode
+    run.model.train()
     rec: dict[str, Any] = {"step": run.state.step}
     for e in entries:
         for k, v in e["metrics"].items():
