@@ -12,7 +12,7 @@ import torch
 from accelerate.utils import gather_object
 
 from mmpretrain.eval import merge_results
-from mmpretrain.metrics import geometry, similarity_histogram
+from mmpretrain.metrics import GEOMETRY_ROWS, geometry, similarity_histogram
 
 
 def log_record(run: Any, terms: dict[str, torch.Tensor], loss: torch.Tensor, lr: float, since: float,
@@ -63,9 +63,10 @@ def numeric(rec: dict[str, Any], prefix: str = "") -> dict[str, float]:
 
 def diagnostics(run: Any, features: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
     """Geometry of the global batch (every rank's features gathered; call on every rank)."""
-    x, y = features
     acc = run.accelerator
-    x, y = acc.gather(x.float().contiguous()), acc.gather(y.float().contiguous())
+    # every rank's first rows, enough for the measures' GEOMETRY_ROWS (not the whole global batch)
+    k = math.ceil(GEOMETRY_ROWS / acc.num_processes)
+    x, y = (acc.gather(f[:k].float().contiguous()) for f in features)
     run.histograms = similarity_histogram(x, y)
     return {f"geometry/{k}": v for k, v in geometry(x, y).items()}
 

@@ -47,6 +47,8 @@ def test_trimmed_text_padding_is_the_same_function(arch):
         encode_text_trimmed,
         make_tokenizer,
         resolve_model_cfg,
+        trim_padding,
+        trims_text,
     )
 
     cfg = resolve_model_cfg(arch)
@@ -55,7 +57,9 @@ def test_trimmed_text_padding_is_the_same_function(arch):
     tokens = make_tokenizer(cfg)(["grinning cat face with smiling eyes", "black large square", "moon"])
     assert (tokens[:, 12:] == 0).all() and tokens.shape[1] >= 32  # most of the context is padding
     full = model.clip.encode_text(tokens, normalize=True)
-    trimmed = encode_text_trimmed(model.clip, tokens)
+    short = trim_padding(tokens)
+    assert short.shape[1] < tokens.shape[1] and trims_text(model.clip)
+    trimmed = encode_text_trimmed(model.clip, short)
     torch.testing.assert_close(trimmed, full, rtol=1e-9, atol=1e-12)
     w = model.clip.transformer.resblocks[-1].mlp.c_fc.weight
     g_full, = torch.autograd.grad((full * torch.arange(full.shape[1])).sum(), w)

@@ -92,9 +92,10 @@ class _PairCE(torch.autograd.Function):
         if use_col:
             col_lse = col.clone()
             col_lse[lo + off:hi + off] += pos
+        # gradients accumulated without the scale, multiplied by it once at the end: a tensor
+        # multiply, where addmm's alpha would need the scale as a host number (a device sync)
         ga, gb = torch.zeros_like(a), torch.zeros_like(b)
         gs = torch.zeros((), dtype=a.dtype, device=a.device)
-        s = float(scale)  # addmm's alpha is a number (one host sync per backward)
         for i0, i1 in _tiles(n, ctx.chunk):
             for j0, j1 in _tiles(m, ctx.chunk):
                 dot = a[i0:i1] @ b[j0:j1].T
@@ -102,17 +103,17 @@ class _PairCE(torch.autograd.Function):
                 w = torch.exp(z - row_lse[i0:i1, None]).mul_(g_row[i0:i1, None])
                 if use_col:
                     w += torch.exp(z - col_lse[None, j0:j1]).mul_(g_col[None, j0:j1])
-                ga[i0:i1].addmm_(w, b[j0:j1], alpha=s)
-                gb[j0:j1].addmm_(w.T, a[i0:i1], alpha=s)
+                ga[i0:i1].addmm_(w, b[j0:j1])
+                gb[j0:j1].addmm_(w.T, a[i0:i1])
                 gs += (w * dot).sum()
         # positives: d(-s a_i.b_{i+off}) for the rows, and for the columns
         gpos = g_row[lo:hi].clone()
         if use_col:
             gpos += g_col[lo + off:hi + off]
-        ga[lo:hi].addcmul_(gpos[:, None], b[lo + off:hi + off], value=-s)
-        gb[lo + off:hi + off].addcmul_(gpos[:, None], a[lo:hi], value=-s)
+        ga[lo:hi].addcmul_(gpos[:, None], b[lo + off:hi + off], value=-1)
+        gb[lo + off:hi + off].addcmul_(gpos[:, None], a[lo:hi], value=-1)
         gs -= (gpos * pos).sum() / scale
-        return ga, gb, gs.reshape(scale.shape), None, None, None
+        return ga.mul_(scale), gb.mul_(scale), gs.reshape(scale.shape), None, None, None
 
 
 def pair_ce(a: torch.Tensor, b: torch.Tensor, scale, chunk: int, offset: int = 0, want_col: bool = False):
@@ -151,26 +152,26 @@ class _SoftplusSum(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, g):
         a, b, scale, bias = ctx.saved_tensors
+        # as in _PairCE: the scale (and the incoming gradient) enter as tensors, never host numbers
         ga, gb = torch.zeros_like(a), torch.zeros_like(b)
         gs = torch.zeros((), dtype=a.dtype, device=a.device)
         gbias = torch.zeros((), dtype=a.dtype, device=a.device)
-        s = float(scale)
         for i0, i1 in _tiles(a.shape[0], ctx.chunk):
             for j0, j1 in _tiles(b.shape[0], ctx.chunk):
                 dot = a[i0:i1] @ b[j0:j1].T
                 w = torch.sigmoid(dot * scale + bias).mul_(g)
-                ga[i0:i1].addmm_(w, b[j0:j1], alpha=s)
-                gb[j0:j1].addmm_(w.T, a[i0:i1], alpha=s)
+                ga[i0:i1].addmm_(w, b[j0:j1])
+                gb[j0:j1].addmm_(w.T, a[i0:i1])
                 gs += (w * dot).sum()
                 gbias += w.sum()
         if ctx.offset is not None:
             off = ctx.offset
             lo, hi = _diag(a.shape[0], b.shape[0], off)
-            ga[lo:hi].add_(b[lo + off:hi + off], alpha=-float(g) * s)
-            gb[lo + off:hi + off].add_(a[lo:hi], alpha=-float(g) * s)
+            ga[lo:hi].sub_(b[lo + off:hi + off] * g)
+            gb[lo + off:hi + off].sub_(a[lo:hi] * g)
             gs -= g * _rowdot(a[lo:hi], b[lo + off:hi + off], ctx.chunk).sum()
             gbias -= g * (hi - lo)
-        return ga, gb, gs.reshape(scale.shape), gbias.reshape(bias.shape), None, None
+        return ga.mul_(scale), gb.mul_(scale), gs.reshape(scale.shape), gbias.reshape(bias.shape), None, None
 
 
 def softplus_sum(a: torch.Tensor, b: torch.Tensor, scale, bias, chunk: int, offset: int | None = None):

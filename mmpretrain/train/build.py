@@ -211,7 +211,8 @@ def setup(cfg: ExperimentConfig) -> Run:
                               num_workers=cfg.eval.num_workers, rank=rank, world_size=world)
     run = Run(cfg, acc, module, objective, optimizer, loader, data.schedule, files, state,
               preprocess=image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=False),
-              tokenizer=factory.make_tokenizer(model.model_cfg), target_encoder=target_encoder, evaluator=evaluator,
+              tokenizer=factory.make_tokenizer(model.model_cfg), target_encoder=target_encoder,
+              trim_text=factory.trims_text(model.module.clip), evaluator=evaluator,
               log=JsonlLog(files.log, records) if acc.is_main_process else None)
     if cfg.train.log_with:
         hparams = {k: str(v) if isinstance(v, (list, dict)) else v

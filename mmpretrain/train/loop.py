@@ -18,6 +18,7 @@ from mmpretrain.checkpoint import save_checkpoint
 from mmpretrain.grad_cache import StepResult, forward_backward
 from mmpretrain.hub import push_folder
 from mmpretrain.metrics import plot_run
+from mmpretrain.models.factory import trim_padding
 from mmpretrain.observe import all_ranks_skipped, diagnostics, evaluate, log_record
 from mmpretrain.schedule import lr_at
 from mmpretrain.train.state import Run
@@ -58,7 +59,11 @@ def train_step(run: Run, batch: dict[str, Any]) -> StepResult:
             targets = run.target_encoder.encode(batch["texts"], convert_to_tensor=True, normalize_embeddings=True)
     if targets is not None:
         targets = targets.to(acc.device, non_blocking=True).float()
-    tokens = batch["tokens"].to(acc.device, non_blocking=True) if "tokens" in batch else None
+    tokens = batch.get("tokens")
+    if tokens is not None:
+        if run.trim_text:  # on the host copy: the used length read on the device would be a sync
+            tokens = trim_padding(tokens)
+        tokens = tokens.to(acc.device, non_blocking=True)
     res = forward_backward(acc, run.model, run.objective, images, tokens, targets,
                            micro_batch=cfg.train.micro_batch_size, mode=cfg.train.micro_batch_mode,
                            finite=lambda loss: agree_finite(acc, loss),

@@ -47,6 +47,7 @@ class Run:
     preprocess: Callable | None = None  # evaluation image transform and tokenizer, for the evaluator
     tokenizer: Callable | None = None
     target_encoder: Any = None  # a SentenceTransformer with targets.source=online
+    trim_text: bool = False  # drop the batch's trailing padding columns before the text tower (factory.trims_text)
     evaluator: Evaluator | None = None
     log: JsonlLog | None = None  # main process only
     histograms: dict[str, list[float]] | None = None  # of the last diagnostics batch
