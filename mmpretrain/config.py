@@ -126,7 +126,9 @@ class OptimConfig(_Strict):
 class TrainConfig(_Strict):
     epochs: float | None = Field(None, gt=0, description="epochs of data.num_samples; converted to steps")
     steps: int | None = Field(None, gt=0, description="optimizer steps; exclusive with epochs")
-    precision: Literal["no", "fp16", "bf16"] = "no"
+    precision: Literal["no", "fp32", "fp16", "bf16"] = Field(
+        "no", description="mixed precision: no (= fp32), bf16 (GPUs, and CPUs: native with AVX-512 BF16 or AMX, "
+        "emulated otherwise) or fp16 (GPUs, with loss scaling)")
     log_every: int = Field(10, gt=0)
     save_every: int | None = Field(None, gt=0, description="checkpoint every K steps (always one at the end)")
     max_logit_scale: float = Field(100.0, gt=1.0, description="the scale is clamped to ln(this) after each step")
@@ -145,6 +147,11 @@ class TrainConfig(_Strict):
     nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="a non-finite loss: stop (exit 1, no checkpoint of the bad state) or skip the step")
     max_skipped_steps: int = Field(10, ge=0, description="with nonfinite=skip: stop after this many skipped steps")
+
+    @field_validator("precision")
+    @classmethod
+    def _fp32_is_no(cls, v: str) -> str:
+        return "no" if v == "fp32" else v
 
     @field_validator("diagnostics_every", mode="before")
     @classmethod

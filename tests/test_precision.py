@@ -67,7 +67,10 @@ def test_bf16_training_on_cpu(openmoji, tmp_path):
 
     common = [f"data.train={openmoji / 'train'}", "train.steps=2", "train.epochs=null", "data.batch_size=16",
               "data.num_workers=0", "optim.warmup_steps=1", "train.log_every=1", "train.progress=false",
-              "train.log_with=[]", "model.arch=mmpt-tiny-vit", "model.lock_text=false", "model.text_from_targets=false"]
+              "train.log_with=[]", "model.arch=mmpt-tiny-vit", "model.lock_text=false", "model.text_from_targets=false",
+              # tiny enough for CPUs that emulate bf16 (~1 GFLOP/s there)
+              "model.overrides={embed_dim: 64, vision_cfg: {layers: 1, width: 64, head_width: 32}, "
+              "text_cfg: {layers: 1, width: 64, heads: 2}}"]
     assert load_config(ROOT / "configs/demo.yaml", [*common, "train.precision=fp32"]).train.precision == "no"
     run = setup(load_config(ROOT / "configs/demo.yaml", [*common, f"run_dir={tmp_path / 'bf16'}",
                                                          "train.precision=bf16"]))

@@ -50,8 +50,8 @@ class Model:
 
 
 def make_accelerator(cfg: ExperimentConfig) -> Accelerator:
-    if cfg.train.precision != "no" and not torch.cuda.is_available():
-        raise ConfigError(f"train.precision={cfg.train.precision} needs a GPU; use train.precision=no on CPU")
+    if cfg.train.precision == "fp16" and not torch.cuda.is_available():  # accelerate's loss scaling needs one
+        raise ConfigError("train.precision=fp16 needs a GPU; on a CPU use train.precision=bf16 (autocast) or no")
     try:
         return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.train.precision,
                            log_with=list(cfg.train.log_with) or None, project_dir=str(cfg.resolved_run_dir))
