@@ -57,6 +57,28 @@ def rows() -> list[str]:
                 runs = extra.get(key + "_runs", [extra[key]])
                 out.append(f"| {name}: {label} | **{fmt(extra[key])}×** ({fmt(min(runs))}–{fmt(max(runs))}) | "
                            f"{target} (lower is better) | `{d['command']}` |")
+        if name == "train":
+            out += _train_rows(extra, d["command"])
+    return out
+
+
+def _train_rows(extra: dict, command: str) -> list[str]:
+    """bf16 against fp32 (with the CPU's GEMM rates: native or emulated bf16), and the image-heavy model."""
+    out = []
+    cpu = extra.get("cpu", {})
+    rates = (f"; this CPU: {cpu.get('capability')}, bf16 GEMM {cpu.get('bfloat16_gflops')} vs fp32 "
+             f"{cpu.get('float32_gflops')} GFLOP/s" if cpu else "")
+    for where, e in (("", extra), (f", image-heavy `{extra.get('image_heavy', {}).get('arch')}`",
+                                   extra.get("image_heavy", {}))):
+        if "ratio" in e and where:
+            runs = e["runs"]
+            out.append(f"| train{where}: samples/s, ours / open_clip_train | **{fmt(e['ratio'])}×** "
+                       f"({fmt(min(runs))}–{fmt(max(runs))}, {len(runs)} runs) | – | `{command}` |")
+        if "bf16_ratio" in e:
+            runs, acc = e["bf16_ratio_runs"], e.get("acc1", {})
+            out.append(f"| train{where}: `train.precision=bf16` / fp32 samples/s (held-out acc1 "
+                       f"{acc.get('ours_bf16', float('nan')):.3f} vs {acc.get('ours', float('nan')):.3f}{rates}) | "
+                       f"**{fmt(e['bf16_ratio'])}×** ({fmt(min(runs))}–{fmt(max(runs))}) | – | `{command}` |")
     return out
 
 

@@ -257,17 +257,19 @@ def _rank_losses(rank, world):
 
 
 @pytest.fixture(scope="module")
-def two_rank_results(tmp_path_factory):
-    return run_ranks(_rank_losses, (), tmp_path_factory.mktemp("ddp"), world=2)
+def rank_results(tmp_path_factory):
+    """Every case on 2 and on 4 gloo ranks (B = 12: 6 or 3 samples per rank)."""
+    return {world: run_ranks(_rank_losses, (), tmp_path_factory.mktemp(f"ddp{world}"), world=world)
+            for world in (2, 4)}
 
 
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("case", range(len(DIST_CASES)), ids=[f"{n}-{o}" for n, o in DIST_CASES])
-def test_two_ranks_equal_one_process(two_rank_results, case):
-    world = 2
+def test_ranks_equal_one_process(rank_results, case, world):
     name, options = DIST_CASES[case]
     x, y, t = inputs(5)
     full, gx, gy, gs, gb = _loss_and_grads(name, options, x, y, t)
-    res = [r[case] for r in two_rank_results]
+    res = [r[case] for r in rank_results[world]]
     # mean over ranks of the losses == the one-process loss
     torch.testing.assert_close(torch.stack([r[0] for r in res]).mean(), full, **TOL)
     # DDP averages parameter gradients over ranks, so rank r's feature gradient / world must equal

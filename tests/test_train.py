@@ -113,25 +113,40 @@ def test_nonfinite_loss_is_handled_as_configured(openmoji, tmp_path, mode):
         assert all(torch.isfinite(v).all() for v in w.values())
 
 
-def test_two_processes_equal_one_with_the_same_global_batch(tmp_path):
+STEP_SCRIPT = str(ROOT / "tests/scripts/step_equivalence.py")
+
+
+@pytest.fixture(scope="module")
+def one_process_steps(tmp_path_factory):
     import subprocess
     import sys
 
-    script = str(ROOT / "tests/scripts/step_equivalence.py")
-    one, two = tmp_path / "one.json", tmp_path / "two.json"
-    r = subprocess.run([sys.executable, script, str(one)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = tmp_path_factory.mktemp("steps") / "one.json"
+    r = subprocess.run([sys.executable, STEP_SCRIPT, str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+    a = json.loads(out.read_text())
+    # gradient caching is the whole batch's step
+    assert a["grad_cache"]["losses"] == pytest.approx(a["whole"]["losses"], rel=1e-9)
+    return a
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_processes_equal_one_with_the_same_global_batch(one_process_steps, tmp_path, world):
+    """5 float64 steps through train_step with the global batch split over ``world`` gloo ranks under
+    accelerate launch: the losses and weights of one process, with and without gradient caching."""
+    import subprocess
+    import sys
+
+    out = tmp_path / f"{world}.json"
     r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                        str(ROOT / "configs/accelerate/cpu-2proc.yaml"), script, str(two)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+                        str(ROOT / "configs/accelerate/cpu-2proc.yaml"), "--num_processes", str(world), STEP_SCRIPT,
+                        str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    a, b = json.loads(one.read_text()), json.loads(two.read_text())
+    a, b = one_process_steps, json.loads(out.read_text())
     for name in ("whole", "grad_cache"):
         assert len(a[name]["losses"]) == 5
         assert b[name]["losses"] == pytest.approx(a[name]["losses"], rel=1e-6, abs=1e-6), name
         assert b[name]["weights"] == pytest.approx(a[name]["weights"], rel=1e-9), name
-    # gradient caching is the whole batch's step, also across processes
-    assert a["grad_cache"]["losses"] == pytest.approx(a["whole"]["losses"], rel=1e-9)
 
 
 @pytest.mark.slow
