@@ -55,15 +55,15 @@ def test_autocast_value_and_gradient_within_3_percent_of_fp32(batch, name, optio
 
 def test_bf16_training_on_cpu(openmoji, tmp_path):
     """train.precision=bf16 runs the mixed-precision path end to end on a CPU (accelerate's CPU bf16
-    autocast): a tiny run, weights kept in fp32, finite losses; fp32 is a spelling of no."""
+    autocast), through the command line (accelerate's state is per process): a tiny run, weights kept
+    in fp32, finite losses; fp32 is a spelling of no."""
     import json
 
     from safetensors.torch import load_file
 
     from mmpretrain.config import load_config
-    from mmpretrain.train import fit, setup
 
-    from conftest import ROOT
+    from conftest import ROOT, run_cli
 
     common = [f"data.train={openmoji / 'train'}", "train.steps=2", "train.epochs=null", "data.batch_size=16",
               "data.num_workers=0", "optim.warmup_steps=1", "train.log_every=1", "train.progress=false",
@@ -72,11 +72,11 @@ def test_bf16_training_on_cpu(openmoji, tmp_path):
               "model.overrides={embed_dim: 64, vision_cfg: {layers: 1, width: 64, head_width: 32}, "
               "text_cfg: {layers: 1, width: 64, heads: 2}}"]
     assert load_config(ROOT / "configs/demo.yaml", [*common, "train.precision=fp32"]).train.precision == "no"
-    run = setup(load_config(ROOT / "configs/demo.yaml", [*common, f"run_dir={tmp_path / 'bf16'}",
-                                                         "train.precision=bf16"]))
-    assert run.accelerator.mixed_precision == "bf16"
-    fit(run)
+    r = run_cli("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), *common,
+                f"run_dir={tmp_path / 'bf16'}", "train.precision=bf16")
+    assert r.returncode == 0, r.stderr[-3000:]
     log = [json.loads(x) for x in (tmp_path / "bf16/log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2] and all(math.isfinite(r["loss"]) for r in log)
+    assert "precision: bf16" in (tmp_path / "bf16/config.yaml").read_text()
     weights = load_file(tmp_path / "bf16/checkpoints/step_00000002/model.safetensors")
     assert {v.dtype for v in weights.values()} == {torch.float32}

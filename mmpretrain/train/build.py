@@ -56,7 +56,9 @@ def make_accelerator(cfg: ExperimentConfig) -> Accelerator:
         return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.train.precision,
                            log_with=list(cfg.train.log_with) or None, project_dir=str(cfg.resolved_run_dir))
     except (ValueError, ImportError) as e:
-        raise ConfigError(f"train.log_with={cfg.train.log_with}: {e} (pip install the tracker, or drop it)") from None
+        if cfg.train.log_with and any(t in str(e).lower() for t in (*cfg.train.log_with, "tracker")):
+            raise ConfigError(f"train.log_with={cfg.train.log_with}: {e} (pip install the tracker, or drop it)") from None
+        raise ConfigError(f"accelerate cannot start this run (train.precision={cfg.train.precision}): {e}") from None
 
 
 def build_data(cfg: ExperimentConfig, world_size: int) -> Data:
