@@ -21,29 +21,30 @@ SYNC_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.ma
 SYNC_METHODS = {"cpu", "tolist", "numpy"}
 
 
-class SyncCounter(TorchDispatchMode):
-    """Counts synchronising ops, in forward and backward (dispatch modes reach autograd's backward)."""
-
+class _Counting:
     def __init__(self):
         super().__init__()
-        self.ops: Counter = Counter()
+        self.counts: Counter = Counter()
         self.paused = False
 
+    def count(self, name: str, names: set[str]) -> None:
+        if name in names and not self.paused:
+            self.counts[name] += 1
+
+
+class SyncCounter(_Counting, TorchDispatchMode):
+    """Counts synchronising ops, in forward and backward (dispatch modes reach autograd's backward)."""
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func) in SYNC_OPS and not self.paused:
-            self.ops[str(func)] += 1
+        self.count(str(func), SYNC_OPS)
         return func(*args, **(kwargs or {}))
 
 
-class CopyCounter(TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.calls: Counter = Counter()
-        self.paused = False
+class CopyCounter(_Counting, TorchFunctionMode):
+    """Counts host copies of tensors (which a dispatch mode does not see on a CPU)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in SYNC_METHODS and not self.paused:
-            self.calls[func.__name__] += 1
+        self.count(getattr(func, "__name__", ""), SYNC_METHODS)
         return func(*args, **(kwargs or {}))
 
 
@@ -87,7 +88,7 @@ def test_at_most_one_host_sync_per_step(openmoji, tmp_path, name, monkeypatch):
     monkeypatch.setattr(loop, "trim_padding", on_the_host)
     with syncs, copies:
         train_step(run, batch)
-    assert sum(syncs.ops.values()) + sum(copies.calls.values()) <= 1, (dict(syncs.ops), dict(copies.calls))
+    assert sum(syncs.counts.values()) + sum(copies.counts.values()) <= 1, (dict(syncs.counts), dict(copies.counts))
     shutil.rmtree(tmp_path / name, ignore_errors=True)
 
 
