@@ -18,6 +18,8 @@ import json
 import os
 import shutil
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import yaml
@@ -118,23 +120,78 @@ def _card(files: RunFolder, model_cfg: dict, repo_id: str | None, fmt: str = "op
     return "\n".join(lines)
 
 
+EXPORT_MANIFEST = "export_manifest.json"  # the files an export wrote: the only ones a later --overwrite replaces
+
+
+def check_out(run: Path, out: Path, overwrite: bool) -> list[str]:
+    """Refuse an ``--out`` that would put the run (or a user's files) at risk; returns the files a
+    previous export of this folder wrote (its manifest), which ``--overwrite`` may replace."""
+    run_abs, out_abs = run.resolve(), out.resolve()
+    if out_abs == run_abs or out_abs in run_abs.parents:
+        raise ExportError(f"--out {out} is {'the run folder' if out_abs == run_abs else 'above the run folder'} "
+                          f"{run}: the export would mix with (or replace) the run's files. Choose a folder outside "
+                          f"it, or inside it such as {run / 'export'}")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file, not a folder: choose a new folder")
+    if not out.is_dir() or not any(out.iterdir()):
+        return []
+    manifest = out / EXPORT_MANIFEST
+    previous = json.loads(manifest.read_text()).get("files", []) if manifest.is_file() else []
+    if not overwrite:
+        what = "an earlier export" if previous else "files this command did not write"
+        raise ExportError(f"--out {out} is not empty (it holds {what}); pass --overwrite to replace an earlier "
+                          "export (only the files its export_manifest.json lists), or choose an empty folder")
+    return previous
+
+
+def _write_into(tmp: Path, out: Path, previous: list[str]) -> list[str]:
+    """Move the export in ``tmp`` into ``out``: replace only files ``previous`` (our manifest) lists, refuse
+    to overwrite any other file, delete previous files this export no longer writes."""
+    new = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+    clash = [f for f in new if (out / f).exists() and f not in previous]
+    if clash:
+        raise ExportError(f"--out {out} holds {clash[0]} ({len(clash)} file(s)) that no earlier export wrote: "
+                          "the export would replace it. Move it away or choose another folder")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in previous:
+        if f not in new and (out / f).is_file():
+            (out / f).unlink()
+    for f in new:
+        (out / f).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp / f, out / f)
+    files = [*new, EXPORT_MANIFEST]
+    (out / EXPORT_MANIFEST).write_text(json.dumps({"files": files, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                         time.gmtime())}, indent=2))
+    return files
+
+
 def export(run_dir: str | Path, out: str | Path, *, fmt: str = "open_clip", towers: str = "both",
-           repo_id: str | None = None) -> list[Path]:
+           repo_id: str | None = None, overwrite: bool = False) -> list[Path]:
+    """Write the export into ``out`` (see :func:`check_out` for what is refused); returns its files."""
     files, out = RunFolder(Path(run_dir)), Path(out)
     if fmt == "open_clip" and towers != "both":
         raise ExportError("--towers image needs --format transformers (open_clip loads only whole models); "
                           "it writes a CLIPVisionModelWithProjection")
     if files.latest_checkpoint() is None:
         raise ExportError(f"{run_dir} has no complete checkpoint (checkpoints/step_*/train_state.json)")
+    previous = check_out(files.root, out, overwrite)
     clip, model_cfg, preprocess_cfg = load_run_clip(files.root)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))  # ours alone to delete
+    try:
+        _write_export(files, tmp, clip, model_cfg, preprocess_cfg, fmt, towers, repo_id)
+        written = _write_into(tmp, out, previous)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [out / f for f in written]
+
+
+def _write_export(files: RunFolder, tmp: Path, clip, model_cfg: dict, preprocess_cfg: dict, fmt: str, towers: str,
+                  repo_id: str | None) -> None:
     if fmt == "transformers":
         try:
             save_transformers(clip, model_cfg, preprocess_cfg, tmp, towers)
         except Unsupported as e:
-            shutil.rmtree(tmp, ignore_errors=True)
             raise ExportError(str(e)) from None
     else:
         (tmp / "open_clip_config.json").write_text(
@@ -150,10 +207,6 @@ def export(run_dir: str | Path, out: str | Path, *, fmt: str = "open_clip", towe
     if files.plots.is_dir():
         shutil.copytree(files.plots, tmp / "plots")
     (tmp / "README.md").write_text(_card(files, model_cfg, repo_id, fmt, towers))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return sorted(p for p in out.rglob("*") if p.is_file())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,9 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--private", action="store_true")
     p.add_argument("--revision", default=None)
     p.add_argument("--dry-run", action="store_true", help="with --push-to-hub: list what would be uploaded")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier export in --out (only the files its export_manifest.json lists)")
     args = p.parse_args(argv)
     try:
-        files = export(args.run_dir, args.out, fmt=args.format, towers=args.towers, repo_id=args.push_to_hub)
+        files = export(args.run_dir, args.out, fmt=args.format, towers=args.towers, repo_id=args.push_to_hub,
+                       overwrite=args.overwrite)
     except (ExportError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -182,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print(f"dry run: would upload {len(files)} files to {args.push_to_hub}")
         else:
-            print(f"pushed: {push_folder(out, args.push_to_hub, private=args.private, revision=args.revision)}")
+            pushed = push_folder(out, args.push_to_hub, private=args.private, revision=args.revision,
+                                 allow_patterns=[str(f.relative_to(out)) for f in files])  # the export, nothing else
+            print(f"pushed: {pushed}")
     return 0
 
 

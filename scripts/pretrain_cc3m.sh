@@ -72,5 +72,5 @@ for ds in "${evals[@]}"; do
         --output "$run/results.json"
 done
 step "export $run -> $run/export"
-"$python" -m mmpretrain.export "$run" --out "$run/export"
-echo "done: $run/export (push with: python -m mmpretrain.export $run --out $run/export --push-to-hub ORG/NAME)" >&2
+"$python" -m mmpretrain.export "$run" --out "$run/export" --overwrite  # a re-run replaces only its own export
+echo "done: $run/export (push with: python -m mmpretrain.export $run --out $run/export --overwrite --push-to-hub ORG/NAME)" >&2

@@ -1,0 +1,102 @@
+"""No command loses what a user has: the export never replaces the run or a user's files, the build never
+deletes its own input or files it did not write. Each case through the command line, as a user would."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import ROOT, run_cli
+
+
+@pytest.fixture(scope="module")
+def trained(openmoji, tmp_path_factory):
+    """A tiny trained run inside a folder that also holds a sibling run."""
+    runs = tmp_path_factory.mktemp("runs")
+    run = runs / "mine"
+    r = run_cli("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
+                f"run_dir={run}", "train.steps=2", "train.epochs=null", "data.batch_size=16", "data.num_workers=0",
+                "optim.warmup_steps=1", "train.progress=false", "train.log_with=[]")
+    assert r.returncode == 0, r.stderr[-3000:]
+    (runs / "sibling").mkdir()
+    (runs / "sibling" / "notes.txt").write_text("a sibling run's notes")
+    return run
+
+
+def _snapshot(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _export(run, out, *extra):
+    """``python -m mmpretrain.export RUN --out OUT ...``, in this process (the same main, without ~8 s of
+    imports per call): its exit code and stderr."""
+    import contextlib
+    import io
+    import subprocess
+
+    from mmpretrain.export import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main([str(run), "--out", str(out), *extra])
+    return subprocess.CompletedProcess([], code, "", err.getvalue())
+
+
+def test_export_refuses_the_run_folder_and_above(trained):
+    before = _snapshot(trained.parent)
+    for out in (trained, trained.parent):
+        for extra in ([], ["--overwrite"]):
+            r = _export(trained, out, *extra)
+            assert r.returncode == 2 and "run folder" in r.stderr, r.stderr[-2000:]
+    assert _snapshot(trained.parent) == before  # checkpoints and the sibling run untouched
+
+
+def test_export_keeps_a_users_files_and_replaces_only_its_own(trained, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.md").write_text("my notes")
+    r = _export(trained, out)
+    assert r.returncode == 2 and "not empty" in r.stderr and "--overwrite" in r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["notes.md"]
+    r = _export(trained, out, "--overwrite")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (out / "notes.md").read_text() == "my notes" and (out / "open_clip_model.safetensors").is_file()
+    listed = json.loads((out / "export_manifest.json").read_text())["files"]
+    assert "notes.md" not in listed and "open_clip_model.safetensors" in listed
+    # a re-export replaces its own files, removes what it no longer writes, keeps the notes
+    stale = listed[0]
+    (out / "extra_from_an_old_export.bin").write_text("x")
+    manifest = json.loads((out / "export_manifest.json").read_text())
+    manifest["files"].append("extra_from_an_old_export.bin")
+    (out / "export_manifest.json").write_text(json.dumps(manifest))
+    assert _export(trained, out).returncode == 2  # still needs --overwrite
+    r = _export(trained, out, "--overwrite")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not (out / "extra_from_an_old_export.bin").exists() and (out / stale).exists()
+    assert (out / "notes.md").read_text() == "my notes"
+    # a user's file where the export would write one of its own: refused, the file kept
+    (out / "export_manifest.json").unlink()
+    (out / "README.md").write_text("my own readme")
+    r = _export(trained, out, "--overwrite")
+    assert r.returncode == 2 and "README.md" in r.stderr
+    assert (out / "README.md").read_text() == "my own readme"
+    assert not list(tmp_path.glob(".*.tmp")) and not list(tmp_path.glob("*.tmp"))
+
+
+def test_export_to_a_file_is_refused_and_leaves_nothing_behind(trained, tmp_path):
+    target = tmp_path / "model.bin"
+    target.write_text("a user's file")
+    r = _export(trained, target)
+    assert r.returncode == 2 and "is a file" in r.stderr
+    assert target.read_text() == "a user's file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.bin"]
+
+
+def test_export_inside_the_run_folder_is_fine(trained):
+    r = _export(trained, trained / "export")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (trained / "export/open_clip_model.safetensors").is_file()
+    assert (trained / "checkpoints").is_dir()
+    shutil.rmtree(trained / "export")
