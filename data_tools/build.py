@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import webdataset as wds
 
-from mmpretrain.data.manifest import SIZES, read_sizes, write_json_atomic
+from mmpretrain.data.manifest import MANIFEST, SIZES, read_sizes, write_json_atomic
 from mmpretrain.data.tar import read_tar
 
 DEMO_SOURCES = ("demo:openmoji",)
@@ -18,29 +17,98 @@ class BuildError(RuntimeError):
     """Raised for a build that cannot start (bad arguments): exit code 2."""
 
 
+WDS_FILES = ("classnames.txt", "zeroshot_classification_templates.txt")
+
+
+def check_source_and_out(source: str, out: Path) -> None:
+    """``build`` reads SOURCE and writes --out: an --out equal to, inside or above the source is refused
+    (an --overwrite there would delete the input before reading it)."""
+    if source.startswith(("hf:", "demo:")) and not Path(source).exists():
+        return
+    src, o = Path(source).resolve(), out.resolve()
+    where = "is" if o == src else "is inside" if src in o.parents else "contains" if o in src.parents else None
+    if where:
+        raise BuildError(f"--out {out} {where} the source {source}: build writes beside nothing it reads. "
+                         "Choose an --out outside the source")
+
+
+def recorded_files(folder: Path) -> set[Path]:
+    """The files an earlier build wrote into ``folder``: the shards its sizes.json and .build/ stats
+    list, their .tmp parts, the stats, sizes.json and manifest.json. Nothing else is ever deleted."""
+    from data_tools.parallel import STATS_DIR
+
+    names: set[str] = set()
+    try:
+        sizes = read_sizes(folder) if (folder / SIZES).is_file() else {}
+    except ValueError:
+        sizes = {}
+    names |= {n for n in sizes if isinstance(n, str)} if isinstance(sizes, dict) else set()
+    stats = sorted((folder / STATS_DIR).glob("*.json")) if (folder / STATS_DIR).is_dir() else []
+    for p in stats:
+        try:
+            record = json.loads(p.read_text())
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("parts"), dict):
+            names |= set(record["parts"]) | {p.name[: -len(".json")]}
+    files = {folder / n for n in names} | {folder / (n + ".tmp") for n in names} | set(stats)
+    files |= {folder / SIZES, folder / MANIFEST}
+    return {f for f in files if f.is_file() and f.parent.resolve() in (folder.resolve(), (folder / STATS_DIR).resolve())}
+
+
+def _foreign_tars(folder: Path, ours: set[Path]) -> list[Path]:
+    return sorted(p for p in folder.glob("*.tar") if p not in ours) if folder.is_dir() else []
+
+
+def _remove(files: set[Path]) -> None:
+    from data_tools.parallel import STATS_DIR
+
+    for f in sorted(files):
+        f.unlink(missing_ok=True)
+    for d in {f.parent for f in files if f.parent.name == STATS_DIR}:
+        if d.is_dir() and not any(d.iterdir()):
+            d.rmdir()
+
+
 def _check_out(out: Path, overwrite: bool) -> None:
+    """The demo's layout (train/, test/, clip_benchmark's wds files): rebuilt only with --overwrite, and
+    then only the files an earlier build wrote are removed."""
     existing = [p for p in (out / "train" / SIZES, out / "test" / SIZES, out / SIZES) if p.exists()]
     if existing and not overwrite:
         raise BuildError(f"{out} already holds a dataset ({existing[0]}); pass --overwrite to rebuild it")
-    if existing and overwrite:
-        for sub in ("train", "test"):
-            shutil.rmtree(out / sub, ignore_errors=True)
-        for f in ("classnames.txt", "zeroshot_classification_templates.txt", "manifest.json", SIZES):
-            (out / f).unlink(missing_ok=True)
+    ours: set[Path] = set()
+    for sub in ("train", "test"):
+        ours |= recorded_files(out / sub)
+    nshards = out / "test" / "nshards.txt"
+    if nshards.is_file():
+        try:
+            ours |= {out / "test" / f"{i}.tar" for i in range(int(nshards.read_text().strip()))} | {nshards}
+        except ValueError:
+            pass
+    ours |= {out / f for f in (*WDS_FILES, MANIFEST, SIZES)}
+    ours = {f for f in ours if f.is_file()}
+    foreign = [t for sub in ("train", "test") for t in _foreign_tars(out / sub, ours)]
+    if foreign:
+        raise BuildError(f"{out} holds {foreign[0]} ({len(foreign)} tar file(s)) that no build wrote: the demo's "
+                         "shards would mix with them. Choose another --out")
+    if existing:
+        _remove(ours)
 
 
 def _claim_out(out: Path, manifest: dict, overwrite: bool) -> None:
-    """Resume only a build of the same source with the same options; anything else needs --overwrite."""
+    """Resume only a build of the same source with the same options; anything else needs --overwrite,
+    which removes only the files the earlier build wrote. Tar files no build wrote are refused."""
     from data_tools.parallel import STATS_DIR
 
     marker = out / STATS_DIR / "build.json"
-    existing = (out / SIZES).is_file() or any(out.glob("*.tar")) or marker.is_file()
+    ours = recorded_files(out)
+    foreign = _foreign_tars(out, ours)
+    if foreign:
+        raise BuildError(f"--out {out} holds {foreign[0]} ({len(foreign)} tar file(s)) that no build wrote: the "
+                         "new shards would mix with (or replace) them. Choose an empty folder")
+    existing = (out / SIZES).is_file() or marker.is_file() or bool(ours)
     if existing and overwrite:
-        shutil.rmtree(out / STATS_DIR, ignore_errors=True)
-        for p in list(out.glob("*.tar")) + list(out.glob("*.tar.tmp")):
-            p.unlink()
-        for f in (SIZES, "manifest.json"):
-            (out / f).unlink(missing_ok=True)
+        _remove(ours | ({marker} if marker.is_file() else set()))
     elif existing:
         previous = json.loads(marker.read_text()) if marker.is_file() else None
         if previous != {"source": manifest["source"], "options": manifest["options"]}:
@@ -117,6 +185,7 @@ def build(source: str, out: str | Path, *, image_size: int, shard_size: int, lim
     from data_tools.sources.files import SourceError, open_source
 
     out = Path(out)
+    check_source_and_out(source, out)
     if source.startswith("demo:") or source_type == "demo":
         if source not in DEMO_SOURCES:
             raise BuildError(f"unknown demo source {source!r}; packaged ones: {', '.join(DEMO_SOURCES)}")

@@ -100,3 +100,46 @@ def test_export_inside_the_run_folder_is_fine(trained):
     assert (trained / "export/open_clip_model.safetensors").is_file()
     assert (trained / "checkpoints").is_dir()
     shutil.rmtree(trained / "export")
+
+
+def _build(*args):
+    return run_cli("data_tools", "build", *map(str, args))
+
+
+def test_build_never_reads_and_writes_the_same_place(openmoji, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(openmoji / "train", src)  # a shard folder is also a valid (img2dataset-style) source
+    before = _snapshot(src)
+    for out in (src, src / "inside", tmp_path):
+        r = _build(src, "--out", out, "--overwrite")
+        assert r.returncode == 2 and "the source" in r.stderr, r.stderr[-2000:]
+    assert _snapshot(src) == before and not (src / "inside").exists()
+
+
+def test_build_overwrite_removes_only_what_a_build_wrote(openmoji, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(openmoji / "train", src)
+    out = tmp_path / "out"
+    assert _build(src, "--out", out, "--image-size", "32").returncode == 0
+    (out / "notes.txt").write_text("mine")
+    r = _build(src, "--out", out, "--image-size", "16", "--overwrite")  # other options: a rebuild
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (out / "notes.txt").read_text() == "mine"
+    # a tar file no build wrote: refused with or without --overwrite, and kept
+    (out / "my_own.tar").write_bytes(b"not ours")
+    for extra in ([], ["--overwrite"]):
+        r = _build(src, "--out", out, "--image-size", "16", *extra)
+        assert r.returncode == 2 and "my_own.tar" in r.stderr, r.stderr[-2000:]
+    assert (out / "my_own.tar").read_bytes() == b"not ours"
+
+
+def test_demo_overwrite_keeps_a_users_files(tmp_path):
+    out = tmp_path / "demo"
+    args = ["demo:openmoji", "--out", out, "--image-size", "16", "--limit", "500", "--shard-size", "100"]
+    assert _build(*args).returncode == 0
+    (out / "train" / "notes.txt").write_text("mine")
+    (out / "README.txt").write_text("mine too")
+    r = _build(*args, "--overwrite")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (out / "train" / "notes.txt").read_text() == "mine" and (out / "README.txt").read_text() == "mine too"
+    assert json.loads((out / "train/sizes.json").read_text())
