@@ -13,16 +13,19 @@ import json
 import os
 import shutil
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from mmpretrain.config import ConfigError, flat_config
-from mmpretrain.run_files import OBJECTIVE_STATE, TRAIN_STATE, RunFolder
+from mmpretrain.run_files import MODEL_WEIGHTS, OBJECTIVE_STATE, TRAIN_STATE, RunFolder
 
-__all__ = ["load_objective_state", "read_train_state", "resume_point", "save_checkpoint"]
+__all__ = ["Resume", "check_resume", "choose_resume", "load_objective_state", "read_train_state", "save_checkpoint",
+           "verify_checkpoint"]
 
 
 def save_checkpoint(accelerator, files: RunFolder, step: int, train_state: dict[str, Any], keep_last: int | None = None,
@@ -70,21 +73,105 @@ _RESUME_MAY_CHANGE = {"resume", "run_dir", "name", "train.steps", "train.epochs"
                       "hub"}
 
 
-def resume_point(resume: str | None, files: RunFolder, config: dict[str, Any]) -> tuple[Path | None, dict[str, Any] | None]:
-    """The checkpoint to resume from (``resume``: a checkpoint or run folder; else the run folder's
-    latest) and its train state; a ``config`` (the run's, as JSON) that changes what the checkpoint
-    was trained with is refused, naming the keys."""
+def _zip_problem(path: Path) -> str | None:
+    """torch.save writes zip archives (optimizer, RNG states): a truncated or damaged one fails its CRCs."""
+    if not path.is_file():
+        return "missing"
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+        return f"damaged member {bad}" if bad else None
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        return f"unreadable ({e})"
+
+
+def verify_checkpoint(ckpt: Path, world_size: int | None = None) -> tuple[list[str], list[str]]:
+    """``(problems, rng_problems)`` of a checkpoint folder, read without loading it: train_state.json
+    parses and has a position, every safetensors header covers its file, every torch zip archive
+    (optimizer, scheduler, scaler) passes its CRCs. ``rng_problems``: the per-process RNG states
+    (``random_states_{rank}.pkl``) that are missing or damaged -- a resume without them still works but
+    is not bit-exact."""
+    ckpt = Path(ckpt)
+    problems: list[str] = []
+    try:
+        state = json.loads((ckpt / TRAIN_STATE).read_text())
+        if not isinstance(state, dict) or not {"step", "loader", "config"} <= state.keys():
+            problems.append(f"{TRAIN_STATE}: not a train state (no step, loader or config)")
+        elif world_size is None:
+            world_size = len(state["loader"])
+    except (OSError, ValueError) as e:
+        problems.append(f"{TRAIN_STATE}: {e.__class__.__name__}: {e}")
+    for p in sorted(ckpt.glob("*.safetensors")) + ([] if (ckpt / MODEL_WEIGHTS).exists() else [ckpt / MODEL_WEIGHTS]):
+        try:
+            with safe_open(str(p), "pt") as f:
+                f.keys()
+        except (SafetensorError, OSError) as e:
+            problems.append(f"{p.name}: {'missing' if not p.exists() else e}")
+    archives = sorted(p for p in ckpt.glob("*.bin")) + sorted(p for p in ckpt.glob("*.pt"))
+    if not any(p.name.startswith("optimizer") for p in archives):
+        problems.append("optimizer.bin: missing")
+    for p in archives:
+        if (why := _zip_problem(p)) is not None:
+            problems.append(f"{p.name}: {why}")
+    rng = [f"random_states_{r}.pkl: {why}" for r in range(world_size or 1)
+           if (why := _zip_problem(ckpt / f"random_states_{r}.pkl")) is not None]
+    return problems, rng
+
+
+class Resume:
+    """Where a run continues from: the checkpoint and its train state (None: the start), whether the
+    resume is bit-exact (the RNG states are there), and what was skipped on the way."""
+
+    def __init__(self, ckpt: Path | None = None, saved: dict[str, Any] | None = None, exact: bool = True,
+                 notes: list[str] | None = None):
+        self.ckpt, self.saved, self.exact, self.notes = ckpt, saved, exact, notes or []
+
+
+def choose_resume(resume: str | None, files: RunFolder, world_size: int) -> Resume:
+    """The checkpoint to resume from: ``resume`` (a checkpoint, or a run folder: its newest intact one),
+    else the run folder's newest intact checkpoint. Damaged ones are skipped with a note naming what is
+    wrong; an explicitly named damaged checkpoint, or a folder whose checkpoints are all damaged or all
+    incomplete, is refused with the fix."""
     if resume:
         p = Path(resume)
-        ckpt = p if (p / TRAIN_STATE).is_file() else RunFolder(p).latest_checkpoint()
-        if ckpt is None:
-            raise ConfigError(f"resume={resume}: neither a checkpoint folder (with {TRAIN_STATE}) nor a run "
-                              "folder holding one")
+        if (p / TRAIN_STATE).is_file() or p.name.startswith("step_"):
+            candidates, named = [p], True
+        else:
+            candidates, named = list(reversed(RunFolder(p).complete_checkpoints())), False
+            if not candidates:
+                raise ConfigError(f"resume={resume}: neither a checkpoint folder (with {TRAIN_STATE}) nor a run "
+                                  "folder holding one")
     else:
-        ckpt = files.latest_checkpoint()
+        candidates, named = list(reversed(files.complete_checkpoints())), False
+        if not candidates:
+            steps = sorted(files.checkpoints.glob("step_[0-9]*[0-9]")) if files.checkpoints.is_dir() else []
+            if steps:
+                raise ConfigError(f"{files.checkpoints} holds {steps[-1].name} ({len(steps)} checkpoint folder(s)) "
+                                  f"without {TRAIN_STATE}: incomplete or damaged. Remove them to start this run "
+                                  "over, or give resume=PATH of an intact checkpoint")
+            return Resume()
+    notes = []
+    for ckpt in candidates:
+        problems, rng = verify_checkpoint(ckpt, world_size)
+        if problems:
+            if named:
+                raise ConfigError(f"resume={resume}: the checkpoint is damaged ({'; '.join(problems[:4])}); "
+                                  "resume from another one")
+            notes.append(f"skipped {ckpt}: {'; '.join(problems[:4])}")
+            continue
+        if rng:
+            notes.append(f"{ckpt}: {'; '.join(rng)}: the resume is not bit-exact (random streams restart)")
+        return Resume(ckpt, read_train_state(ckpt), exact=not rng, notes=notes)
+    raise ConfigError(f"every checkpoint in {files.checkpoints if not resume else resume} is damaged "
+                      f"({'; '.join(notes[:3])}). Remove the damaged ones or start a new run_dir")
+
+
+def check_resume(chosen: Resume, files: RunFolder, config: dict[str, Any]) -> tuple[Path | None, dict | None]:
+    """The chosen checkpoint and its train state (``exact_resume: False`` when its RNG states are gone);
+    a ``config`` (the run's, as JSON) that changes what it was trained with is refused, naming the keys."""
+    ckpt, saved = chosen.ckpt, chosen.saved
     if ckpt is None:
         return None, None
-    saved = read_train_state(ckpt)
     if "loader" not in saved or "config" not in saved:
         raise ConfigError(f"{ckpt} predates resumable checkpoints (no loader position); start a new run_dir "
                           f"with model.pretrained={ckpt}")
@@ -95,4 +182,6 @@ def resume_point(resume: str | None, files: RunFolder, config: dict[str, Any]) -
         what = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:8])
         raise ConfigError(f"resuming {ckpt} with a different config ({what}). Use the saved config "
                           f"({files.config}) or a new run_dir")
+    if not chosen.exact:
+        saved = dict(saved, exact_resume=False)
     return ckpt, saved

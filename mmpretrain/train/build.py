@@ -7,14 +7,15 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import broadcast_object_list, set_seed
 from open_clip.transform import PreprocessCfg, image_transform_v2
 
-from mmpretrain.checkpoint import load_objective_state, resume_point
+from mmpretrain.checkpoint import Resume, check_resume, choose_resume, load_objective_state, read_train_state
 from mmpretrain.config import ConfigError, ExperimentConfig, flat_config, resolve_schedule, to_yaml
 from mmpretrain.data.decode import SampleDecoder
 from mmpretrain.data.manifest import provenance_record
@@ -59,6 +60,28 @@ def make_accelerator(cfg: ExperimentConfig) -> Accelerator:
         if cfg.train.log_with and any(t in str(e).lower() for t in (*cfg.train.log_with, "tracker")):
             raise ConfigError(f"train.log_with={cfg.train.log_with}: {e} (pip install the tracker, or drop it)") from None
         raise ConfigError(f"accelerate cannot start this run (train.precision={cfg.train.precision}): {e}") from None
+
+
+def decide_resume(acc: Accelerator, cfg: ExperimentConfig, files: RunFolder) -> tuple[Any, dict[str, Any] | None]:
+    """Rank 0 picks the checkpoint to resume from (verifying it, skipping damaged ones) and every rank
+    takes its choice, so that all resume from the same one -- or all refuse with the same message."""
+    choice: list[Any] = [None]
+    if acc.is_main_process:
+        try:
+            chosen = choose_resume(cfg.resume, files, acc.num_processes)
+            choice = [(str(chosen.ckpt) if chosen.ckpt else None, chosen.exact, chosen.notes, None)]
+        except ConfigError as e:
+            choice = [(None, True, [], str(e))]
+    if acc.num_processes > 1:
+        broadcast_object_list(choice)
+    path, exact, notes, error = choice[0]
+    if error:
+        raise ConfigError(error)
+    if acc.is_main_process:
+        for note in notes:
+            print(f"warning: {note}", file=sys.stderr)
+    chosen = Resume(Path(path), read_train_state(Path(path)), exact, notes) if path else Resume()
+    return check_resume(chosen, files, cfg.model_dump(mode="json"))
 
 
 def build_data(cfg: ExperimentConfig, world_size: int) -> Data:
@@ -164,6 +187,7 @@ def restore_state(acc: Accelerator, objective: WeightedObjective, state: TrainSt
         load_objective_state(objective, ckpt)
     state.step, state.samples = saved["step"], saved["samples"]
     state.nonfinite_steps = saved.get("nonfinite_steps", 0)
+    state.exact = bool(saved.get("exact_resume", True))  # once inexact (an RNG state was lost), for good
     if acc.is_main_process:  # the saved counts are sums over ranks
         state.skipped.update(saved["skipped"])
     return files.log_records(up_to_step=saved["step"])
@@ -188,7 +212,7 @@ def setup(cfg: ExperimentConfig) -> Run:
     acc = make_accelerator(cfg)
     rank, world = acc.process_index, acc.num_processes
     files = RunFolder(cfg.resolved_run_dir)
-    ckpt, saved = resume_point(cfg.resume, files, cfg.model_dump(mode="json"))
+    ckpt, saved = decide_resume(acc, cfg, files)
     data = build_data(cfg, world)
     objective = build_objective_for(cfg, rank, world, data.schedule.num_samples)
     targets = target_source(cfg, data.sources, objective)

@@ -151,4 +151,4 @@ def train_state_json(run: Run) -> dict[str, Any]:
         positions = gather_object(positions)
     return {"samples": st.samples, "epoch": run.schedule.epoch_at(st.step), "schedule": asdict(run.schedule),
             "skipped": all_ranks_skipped(run.accelerator, st.skipped), "loader": positions,
-            "nonfinite_steps": st.nonfinite_steps, "config": run.cfg.model_dump(mode="json")}
+            "nonfinite_steps": st.nonfinite_steps, "exact_resume": st.exact, "config": run.cfg.model_dump(mode="json")}

@@ -23,14 +23,16 @@ from mmpretrain.schedule import Schedule
 @dataclass
 class TrainState:
     """The counters a checkpoint restores besides weights, optimizer and RNG: optimizer steps taken,
-    samples seen (all ranks), skipped steps, this rank's stream position, and skipped samples by
-    reason (this rank's since the start; after a resume the main process also holds the saved sums)."""
+    samples seen (all ranks), skipped steps, this rank's stream position, skipped samples by reason
+    (this rank's since the start; after a resume the main process also holds the saved sums), and
+    whether the run is still bit-exact."""
 
     position: StreamPosition
     step: int = 0
     samples: int = 0
     nonfinite_steps: int = 0
     skipped: Counter[str] = field(default_factory=Counter)
+    exact: bool = True  # False once resumed from a checkpoint without its RNG states (not bit-exact)
 
 
 @dataclass

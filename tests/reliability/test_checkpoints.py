@@ -1,0 +1,99 @@
+"""Damaged checkpoints: verified before a resume, skipped for the newest intact one with a warning that
+names what is wrong, refused with the fix when none is intact; a lost RNG state resumes with a warning
+and the run records that it is no longer bit-exact."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from mmpretrain.checkpoint import verify_checkpoint
+
+from conftest import ROOT, run_cli
+
+ARGS = ["train.epochs=null", "data.batch_size=16", "data.num_workers=0", "optim.warmup_steps=1", "train.log_every=1",
+        "train.save_every=2", "train.keep_last=5", "train.progress=false", "train.log_with=[]"]
+
+
+def _train(openmoji, run_dir, steps):
+    return run_cli("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
+                   f"run_dir={run_dir}", f"train.steps={steps}", *ARGS)
+
+
+@pytest.fixture(scope="module")
+def run4(openmoji, tmp_path_factory):
+    run = tmp_path_factory.mktemp("ckpt") / "run"
+    r = _train(openmoji, run, 4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run
+
+
+def _truncate(p):
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+
+DAMAGE = {
+    "model truncated": lambda c: _truncate(c / "model.safetensors"),
+    "model garbage": lambda c: (c / "model.safetensors").write_bytes(b"\x07" * 5000),
+    "model empty": lambda c: (c / "model.safetensors").write_bytes(b""),
+    "model deleted": lambda c: (c / "model.safetensors").unlink(),
+    "optimizer truncated": lambda c: _truncate(c / "optimizer.bin"),
+    "optimizer deleted": lambda c: (c / "optimizer.bin").unlink(),
+    "train state truncated": lambda c: _truncate(c / "train_state.json"),
+    "train state not a state": lambda c: (c / "train_state.json").write_text("[1, 2]"),
+}
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_verify_names_each_kind_of_damage(run4, tmp_path, kind):
+    ckpt = tmp_path / "step_00000004"
+    shutil.copytree(run4 / "checkpoints/step_00000004", ckpt)
+    assert verify_checkpoint(ckpt) == ([], [])
+    DAMAGE[kind](ckpt)
+    problems, _ = verify_checkpoint(ckpt, world_size=1)
+    part = {"model": "model.safetensors", "optimizer": "optimizer.bin", "train": "train_state.json"}[kind.split()[0]]
+    assert problems and part in problems[0], problems
+
+
+def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact(openmoji, run4, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run4, run)
+    _truncate(run / "checkpoints/step_00000004/model.safetensors")
+    r = _train(openmoji, run, 6)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "skipped" in r.stderr and "step_00000004: model.safetensors" in r.stderr
+    assert "resumed from" in r.stderr and "step_00000002 at step 2" in r.stderr
+    log = [json.loads(x)["step"] for x in (run / "log.jsonl").read_text().splitlines()]
+    assert log == [1, 2, 3, 4, 5, 6]  # the records after step 2 belong to the abandoned attempt: replaced
+    state = json.loads((run / "checkpoints/step_00000006/train_state.json").read_text())
+    assert state["exact_resume"] is True
+
+
+def test_no_intact_checkpoint_is_refused_with_the_fix(openmoji, run4, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run4, run)
+    for c in (run / "checkpoints").iterdir():
+        (c / "optimizer.bin").write_bytes(b"")
+    r = _train(openmoji, run, 6)
+    assert r.returncode == 2 and "every checkpoint" in r.stderr and "start a new run_dir" in r.stderr
+    for c in (run / "checkpoints").iterdir():  # folders with no train state at all: said so, not step 0
+        (c / "train_state.json").unlink()
+    r = _train(openmoji, run, 6)
+    assert r.returncode == 2 and "without train_state.json" in r.stderr, r.stderr[-2000:]
+    r = run_cli(
+        "mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
+        f"run_dir={tmp_path / 'other'}", "train.steps=6", f"resume={run4 / 'checkpoints/step_00000004'}", *ARGS)
+    assert r.returncode == 0, r.stderr[-2000:]  # an intact checkpoint named with resume= still works
+
+
+def test_a_lost_rng_state_resumes_with_a_warning_and_is_recorded(openmoji, run4, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run4, run)
+    (run / "checkpoints/step_00000004/random_states_0.pkl").unlink()
+    r = _train(openmoji, run, 6)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "random_states_0.pkl: missing" in r.stderr and "not bit-exact" in r.stderr
+    state = json.loads((run / "checkpoints/step_00000006/train_state.json").read_text())
+    assert state["exact_resume"] is False
