@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from mmpretrain.config import ConfigError, flat_config
+from mmpretrain.config import ConfigError, config_defaults, flat_config
 from mmpretrain.run_files import MODEL_WEIGHTS, OBJECTIVE_STATE, TRAIN_STATE, RunFolder
 
 __all__ = ["Resume", "check_resume", "choose_resume", "load_objective_state", "read_train_state", "save_checkpoint",
@@ -175,7 +175,8 @@ def check_resume(chosen: Resume, files: RunFolder, config: dict[str, Any]) -> tu
     if "loader" not in saved or "config" not in saved:
         raise ConfigError(f"{ckpt} predates resumable checkpoints (no loader position); start a new run_dir "
                           f"with model.pretrained={ckpt}")
-    old, new = flat_config(saved["config"]), flat_config(config)
+    # a key the checkpoint's config lacks (added since) counts as its default
+    old, new = {**config_defaults(), **flat_config(saved["config"])}, flat_config(config)
     diff = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k)
                   and k not in _RESUME_MAY_CHANGE and k.split(".")[0] not in _RESUME_MAY_CHANGE)
     if diff:

@@ -43,6 +43,8 @@ class DataConfig(_Strict):
     shuffle_buffer: int = Field(1000, ge=0, description="samples per shuffle block of each reader (0 or 1 = none)")
     worker_nice: int = Field(10, ge=0, le=19, description="niceness added to the loader workers, so that on a "
                              "saturated CPU the training threads keep their cores (0: same priority)")
+    max_pixels: int = Field(64_000_000, gt=0, description="images with more pixels (after JPEG draft scaling) are "
+                            "skipped as too_many_pixels before decoding, as data_tools build --max-pixels")
 
     @model_validator(mode="after")
     def _mode_options(self):
@@ -344,6 +346,12 @@ def resolve_schedule(cfg: ExperimentConfig, steps_per_epoch: int, num_samples: i
         diag = every * max(1, round(total / (50 * every)))
     return Schedule(total_steps=total, warmup_steps=warmup, steps_per_epoch=steps_per_epoch, num_samples=num_samples,
                     global_batch_size=cfg.data.batch_size * world_size, world_size=world_size, diagnostics_every=diag)
+
+
+def config_defaults() -> dict[str, Any]:
+    """Every key's default, flat (``data.train`` has none: a placeholder). A checkpoint written before a
+    key existed trained with its default."""
+    return flat_config(ExperimentConfig.model_validate({"data": {"train": "-"}}).model_dump(mode="json"))
 
 
 def flat_config(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

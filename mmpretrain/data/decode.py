@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import warnings
 from typing import Any
 
 import numpy as np
@@ -50,13 +51,20 @@ class SampleDecoder:
     ``embeddings``: ``"require"`` (missing -> skip, counted), ``"optional"``, or ``"ignore"``.
     ``draft_size``: JPEGs are decoded at the smallest DCT scale still at least this large (Pillow's
     draft mode), which is most of the decoding cost saved for web images larger than the model input.
-    ``labels``: also return the label (``-1`` when unknown), for objectives that declare ``needs_labels``."""
+    ``labels``: also return the label (``-1`` when unknown), for objectives that declare ``needs_labels``.
+    ``embedding_dim``: the dimension the dataset records; a stored embedding that does not load, is not a
+    finite float vector of that length, is a ``bad_embedding`` skip (never a crash, never a NaN loss).
+    ``max_pixels``: larger images are ``too_many_pixels`` skips before their pixels are decoded (the
+    build's cap against decompression bombs)."""
 
-    def __init__(self, transform, embeddings: str = "optional", draft_size: int | None = None, labels: bool = False):
+    def __init__(self, transform, embeddings: str = "optional", draft_size: int | None = None, labels: bool = False,
+                 embedding_dim: int | None = None, max_pixels: int | None = 64_000_000):
         self.transform = transform
         self.labels = labels
         self.embeddings = embeddings
         self.draft_size = draft_size
+        self.embedding_dim = embedding_dim
+        self.max_pixels = max_pixels
 
     def __call__(self, raw: dict[str, Any], seed: int, epoch: int) -> dict[str, Any]:
         ext = next((e for e in IMAGE_EXTS if e in raw), None)
@@ -73,20 +81,23 @@ class SampleDecoder:
         emb = None
         if self.embeddings != "ignore":
             if "emb.npy" in raw:
-                try:
-                    emb = torch.from_numpy(np.load(io.BytesIO(raw["emb.npy"])).astype(np.float32))
-                except ValueError:
-                    raise SkipSample("bad_embedding") from None
+                emb = torch.from_numpy(self._embedding(raw["emb.npy"]))
             elif self.embeddings == "require":
                 raise SkipSample("missing_embedding")
         try:
-            img = Image.open(io.BytesIO(raw[ext]))
+            with warnings.catch_warnings():  # Pillow's bomb warning: max_pixels below is the cap that counts
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                img = Image.open(io.BytesIO(raw[ext]))
             if self.draft_size and img.format == "JPEG":
-                img.draft("RGB", (self.draft_size, self.draft_size))
+                img.draft("RGB", (self.draft_size, self.draft_size))  # the size below is the drafted one
+            if self.max_pixels and img.width * img.height > self.max_pixels:
+                raise SkipSample("too_many_pixels")
             img.load()
             img = img.convert("RGB")
         except Image.DecompressionBombError:
             raise SkipSample("decompression_bomb") from None
+        except SkipSample:
+            raise
         except Exception:
             raise SkipSample("undecodable_image") from None
         # the CPU generator only: torch.manual_seed also seeds (lazily) every CUDA device, ~1 ms a call
@@ -104,3 +115,14 @@ class SampleDecoder:
             label = parse_label(raw)
             out["label"] = -1 if label is None else label
         return out
+
+    def _embedding(self, data: bytes) -> np.ndarray:
+        try:  # never unpickled: an object array is a ValueError
+            arr = np.load(io.BytesIO(data), allow_pickle=False)
+        except (ValueError, EOFError, OSError):  # empty, truncated, not .npy
+            raise SkipSample("bad_embedding") from None
+        dim = self.embedding_dim
+        if (arr.dtype.kind != "f" or arr.ndim != 1 or (dim is not None and arr.shape[0] != dim)
+                or not np.isfinite(arr).all()):
+            raise SkipSample("bad_embedding")
+        return arr.astype(np.float32)

@@ -4,12 +4,14 @@ any compute."""
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, set_seed
@@ -22,6 +24,7 @@ from mmpretrain.data.manifest import provenance_record
 from mmpretrain.data.plan import StreamPlan, check_shard_count
 from mmpretrain.data.sources import Source, resolve_sources
 from mmpretrain.data.stream import StreamPosition, TrainStream, make_loader
+from mmpretrain.data.tar import UNREADABLE, read_tar
 from mmpretrain.eval import Evaluator
 from mmpretrain.losses import WeightedObjective, build_objective
 from mmpretrain.models import factory
@@ -116,6 +119,37 @@ def target_source(cfg: ExperimentConfig, sources: list[Source], objective: Weigh
         raise ConfigError(str(e)) from None
 
 
+def embedding_dim(cfg: ExperimentConfig, sources: list[Source], targets: str, model: Model) -> int | None:
+    """The stored caption embeddings' dimension (targets from the shards): the one every source's
+    manifest records, checked against each source's first stored embedding and, with
+    ``text_from_targets``, against the text tower's input. A dataset-wide mismatch is an error here,
+    before training; a single bad embedding is a ``bad_embedding`` skip in the stream."""
+    if targets != "shards":
+        return None
+    dims = {s.spec: (s.manifest.get("embedding") or {}).get("dim") for s in sources}
+    if len(set(dims.values())) != 1 or not isinstance(next(iter(dims.values())), int):
+        raise ConfigError(f"data.train: the sources' manifests record embeddings of dimension {dims}: embed every "
+                          f"source with `python -m data_tools embed DIR --model {cfg.targets.model} --overwrite`")
+    dim = next(iter(dims.values()))
+    for s in sources:
+        try:
+            first = next(read_tar(s.urls[0]), None)
+            shape = np.load(io.BytesIO(first["emb.npy"]), allow_pickle=False).shape if first and "emb.npy" in first else None
+        except (*UNREADABLE, KeyError):
+            continue  # an unreadable shard or sample: the stream skips and counts it
+        if shape is not None and shape != (dim,):
+            raise ConfigError(f"{s.urls[0]}: {first['__key__']}.emb.npy has shape {shape}, but the manifest of "
+                              f"{s.spec} records dimension {dim}: re-embed it (`python -m data_tools embed DIR "
+                              f"--model {cfg.targets.model} --overwrite`)")
+    text = getattr(model.module.clip, "text", None)
+    want = getattr(getattr(text, "proj", None), "in_features", None)
+    if cfg.model.text_from_targets and want is not None and want != dim:
+        raise ConfigError(f"model.text_from_targets: the stored embeddings have dimension {dim}, the text tower "
+                          f"takes {want}: embed with the tower's model ({cfg.targets.model}?) or set "
+                          "model.text_from_targets=false")
+    return dim
+
+
 def build_model(cfg: ExperimentConfig, objective: WeightedObjective) -> Model:
     """The dual encoder, with the objective's preferred initial logit scale and bias (seeded)."""
     m = cfg.model
@@ -156,14 +190,14 @@ def build_position(plan: StreamPlan, saved: dict[str, Any] | None, rank: int, wo
 
 
 def build_loader(cfg: ExperimentConfig, data: Data, model: Model, objective: WeightedObjective, targets: str,
-                 position: StreamPosition | None, rank: int, pin_memory: bool):
+                 position: StreamPosition | None, rank: int, pin_memory: bool, embedding_dim: int | None = None):
     """The rank's loader; ``position``: a restored stream position to continue from (None: the start)."""
     size = model.preprocess_cfg["size"]
     decoder = SampleDecoder(
         image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=True),
         embeddings={"shards": "require", "online": "ignore", "none": "ignore"}[targets],
         draft_size=max(size) if isinstance(size, (list, tuple)) else size,
-        labels=objective.needs_labels,
+        labels=objective.needs_labels, embedding_dim=embedding_dim, max_pixels=cfg.data.max_pixels,
     )
     stream = TrainStream(data.plan, decoder, rank, start=position.state() if position is not None else None,
                          tokenizer=None if cfg.model.text_from_targets else factory.make_tokenizer(model.model_cfg))
@@ -222,7 +256,7 @@ def setup(cfg: ExperimentConfig) -> Run:
     set_seed(cfg.seed, device_specific=True)
     state = TrainState(build_position(data.plan, saved, rank, world, ckpt))
     loader = build_loader(cfg, data, model, objective, targets, state.position if saved is not None else None, rank,
-                          acc.device.type == "cuda")
+                          acc.device.type == "cuda", embedding_dim(cfg, data.sources, targets, model))
     module, optimizer = acc.prepare(model.module, make_optimizer(cfg, model.module))
     objective.to(acc.device)
     target_encoder = load_target_encoder(cfg.targets.model, str(acc.device)) if targets == "online" else None

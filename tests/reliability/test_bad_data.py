@@ -200,3 +200,75 @@ def test_zero_byte_image_and_decompression_bomb_are_named_skips(monkeypatch):
     with pytest.raises(SkipSample) as e:
         dec({**base, "png": _encode(Image.new("L", (100, 100)), "PNG")}, 0, 0)
     assert e.value.reason == "decompression_bomb"
+
+
+def _npy(arr) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    return buf.getvalue()
+
+
+BAD_EMBEDDINGS = {
+    "empty": b"",
+    "truncated": _npy(np.ones(8, dtype=np.float16))[:-5],
+    "not_npy": b"\x00garbage",
+    "short": _npy(np.ones(4, dtype=np.float16)),
+    "matrix": _npy(np.ones((1, 8), dtype=np.float16)),
+    "nan": _npy(np.array([np.nan] + [1] * 7, dtype=np.float16)),
+    "inf": _npy(np.array([np.inf] + [1] * 7, dtype=np.float16)),
+    "integers": _npy(np.ones(8, dtype=np.int64)),
+}
+
+
+def test_bad_stored_embeddings_are_counted_skips(tmp_path):
+    """Every kind of broken {key}.emb.npy is a bad_embedding skip: no traceback, no stack error in the
+    batch, no NaN loss later (the dataset's dimension, 8, comes from its manifest)."""
+    from open_clip.transform import PreprocessCfg, image_transform_v2
+
+    good = [m for j in range(6) for m in _sample(f"good{j}")]
+    bad = []
+    for name, data in BAD_EMBEDDINGS.items():
+        bad += [(m if m[1] != "emb.npy" else (m[0], "emb.npy", data)) for m in _sample(f"bad_{name}")]
+    _write_shards(tmp_path / "d", [good + bad])
+    decoder = SampleDecoder(image_transform_v2(PreprocessCfg(size=32), is_train=True), embeddings="require",
+                            embedding_dim=8)
+    plan = _plan(resolve_sources(str(tmp_path / "d")), 2)
+    it = iter(TrainStream(plan, decoder, 0))
+    keys, skipped = [], Counter()
+    for _ in range(plan.steps_per_epoch):
+        b = next(it)
+        keys += b["keys"]
+        skipped.update(b["skipped"])
+        assert b["target_embeddings"].shape == (2, 8) and b["target_embeddings"].isfinite().all()
+    assert skipped["bad_embedding"] == len(BAD_EMBEDDINGS)
+    assert not any(k.startswith("bad_") for k in keys)
+
+
+def test_a_dataset_wide_embedding_dimension_mismatch_is_refused_before_training(openmoji, tmp_path):
+    """The manifest records one dimension, the stored embeddings have another: exit 2 before any step."""
+    import shutil
+
+    from conftest import ROOT, run_cli
+
+    data = tmp_path / "train"
+    shutil.copytree(openmoji / "train", data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["embedding"]["dim"] = 128
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    r = run_cli("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={data}",
+                f"run_dir={tmp_path / 'run'}", "train.steps=2", "train.epochs=null", "data.num_workers=0",
+                "optim.warmup_steps=1")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "emb.npy has shape (384,)" in r.stderr and "records dimension 128" in r.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_an_image_over_the_pixel_cap_is_skipped_before_decoding():
+    """A 10,000 x 10,000 PNG (fine for Pillow's own bomb check) is skipped, not decoded (+227 MB RSS)."""
+    from open_clip.transform import PreprocessCfg, image_transform_v2
+
+    big = _encode(Image.new("L", (10_000, 10_000)), "PNG")
+    decoder = SampleDecoder(image_transform_v2(PreprocessCfg(size=32), is_train=True), embeddings="ignore")
+    with pytest.raises(SkipSample) as e:
+        decoder({"__key__": "big", "png": big, "txt": b"a caption"}, 0, 0)
+    assert e.value.reason == "too_many_pixels"
