@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     except (BuildError, EmbedError) as e:  # raised before any work: bad arguments
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (FileNotFoundError, ValueError) as e:  # a dataset folder that is not one (a malformed sizes.json, ...)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

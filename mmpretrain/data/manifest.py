@@ -34,7 +34,21 @@ def read_sizes(folder: str | Path) -> dict[str, int]:
         raise FileNotFoundError(
             f"{p} not found: {folder} is not a dataset folder; build one with `python -m data_tools build`"
         )
-    return json.loads(p.read_text())
+    try:
+        return check_sizes(json.loads(p.read_text()), str(p))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p} is not valid JSON ({e}); rebuild it (python -m data_tools build) or fix it") from None
+
+
+def check_sizes(sizes: Any, where: str) -> dict[str, int]:
+    """A sizes.json's content: shard file name -> sample count, each a non-negative integer."""
+    if not isinstance(sizes, dict):
+        raise ValueError(f"{where} must map shard file names to sample counts, not {type(sizes).__name__}")
+    bad = [(k, v) for k, v in sizes.items() if not isinstance(v, int) or isinstance(v, bool) or v < 0]
+    if bad:
+        raise ValueError(f"{where}: the count of {bad[0][0]!r} is {bad[0][1]!r}; every count must be a whole "
+                         f"number >= 0 ({len(bad)} bad). Rebuild it or fix it")
+    return sizes
 
 
 def read_manifest(folder: str | Path) -> dict[str, Any]:

@@ -26,7 +26,7 @@ import fsspec
 from braceexpand import braceexpand
 from webdataset.gopen import gopen
 
-from mmpretrain.data.manifest import MANIFEST, SIZES, read_manifest, read_sizes
+from mmpretrain.data.manifest import MANIFEST, SIZES, check_sizes, read_manifest, read_sizes
 
 
 @dataclass
@@ -68,13 +68,14 @@ def _read_json(url: str) -> Any:
 def _read_sizes_near(urls: list[str], spec: str) -> dict[str, int]:
     sizes_url = _near(urls, SIZES)
     try:
-        return _read_json(sizes_url)
+        sizes = _read_json(sizes_url)
     except (OSError, ValueError) as e:
         raise FileNotFoundError(
             f"data.train source {spec!r}: no sample counts ({sizes_url}: {e.__class__.__name__}). Exact epochs "
             "and resume need them: put a sizes.json (shard file name -> samples) beside the shards, or give a "
             "dataset folder written by `python -m data_tools build`"
         ) from None
+    return check_sizes(sizes, sizes_url)
 
 
 def _read_manifest_near(urls: list[str]) -> dict[str, Any]:

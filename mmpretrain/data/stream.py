@@ -62,20 +62,34 @@ from mmpretrain.data.tar import UNREADABLE, read_tar
 log = logging.getLogger(__name__)
 
 
+class StreamError(RuntimeError):
+    """The stream cannot go on (a reader has no readable sample left): the trainer reports it in one
+    line and exits 1."""
+
+    @staticmethod
+    def message(e: BaseException) -> str:
+        """The error's own line (a DataLoader worker re-raises it with the worker's traceback around it)."""
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+        return last.split("StreamError: ", 1)[-1]
+
+
 class SegmentReader:
     """Raw samples at increasing positions of a reader's sequence of segments, each with its global
     sample index as ``__index__``; a position whose sample cannot be read comes back as the reason
-    string."""
+    string. Shards whose reading failed are kept in ``failed_shards``; samples a shard holds beyond
+    its ``sizes.json`` count (never read by the plan) are counted in ``uncounted``."""
 
-    def __init__(self, urls: list[str], offsets: list[int], segments: Iterator[Segment]):
-        self.urls = urls
-        self.offsets = offsets
+    def __init__(self, urls: list[str], offsets: list[int], sizes: list[int], segments: Iterator[Segment]):
+        self.urls, self.offsets, self.sizes = urls, offsets, sizes
         self.segments = segments
         self.seg: Segment | None = None
         self.seg_pos = 0  # position of self.seg's first sample
         self.it: Iterator[dict[str, Any]] | None = None
         self.next_in_seg = 0  # sample index (within the segment) self.it yields next
         self.failed: str | None = None
+        self.failed_shards: set[str] = set()
+        self.uncounted = 0
+        self.tails_checked: set[int] = set()  # each shard's surplus counted once per epoch
 
     def _advance_to(self, pos: int) -> None:
         while self.seg is None or pos >= self.seg_pos + (self.seg.stop - self.seg.start):
@@ -83,6 +97,22 @@ class SegmentReader:
                 self.seg_pos += self.seg.stop - self.seg.start
             self.seg = next(self.segments)
             self.it, self.next_in_seg, self.failed = None, 0, None
+
+    def _check_tail(self) -> None:
+        """A segment read to its shard's counted end: samples after it are beyond sizes.json."""
+        seg = self.seg
+        if (self.it is None or self.failed or seg.stop != self.sizes[seg.shard]
+                or self.next_in_seg != seg.stop - seg.start or seg.shard in self.tails_checked):
+            return
+        self.tails_checked.add(seg.shard)
+        try:
+            extra = sum(1 for _ in self.it)
+        except UNREADABLE:
+            extra = 0
+        if extra:
+            log.warning("shard %s holds %d sample(s) beyond its sizes.json count %d: they are never read; "
+                        "rebuild sizes.json (python -m data_tools verify)", self.urls[seg.shard], extra, seg.stop)
+            self.uncounted += extra
 
     def get(self, pos: int) -> dict[str, Any] | str:
         self._advance_to(pos)
@@ -100,12 +130,14 @@ class SegmentReader:
             raw = next(self.it)
             self.next_in_seg += 1
             raw["__index__"] = self.offsets[seg.shard] + seg.start + want
+            self._check_tail()
             return raw
         except StopIteration:
             self.failed = "missing_in_shard"  # fewer samples than sizes.json says
         except UNREADABLE as e:
             log.warning("shard %s unreadable after %d samples: %s", self.urls[seg.shard], seg.start + want, e)
             self.failed = "unreadable_shard"
+        self.failed_shards.add(self.urls[seg.shard])
         return self.failed
 
 
@@ -152,7 +184,7 @@ class Reader:
         else:
             M, P = None, 0
             segments = lambda: plan.drawn_segments(epoch, self.index)  # noqa: E731
-        reader = SegmentReader(plan.urls, plan.offsets, segments())
+        reader = SegmentReader(plan.urls, plan.offsets, plan.sizes, segments())
         fruitless = 0
         while emitted < L:
             if M is None or pos < M:  # shuffled blocks (never crossing into the spares)
@@ -167,6 +199,9 @@ class Reader:
                 repeat = pos >= M + P
             # only the slots not consumed yet are read (a resumed block skips the rest without extracting)
             raws = {p: reader.get(p) for p in sorted(perm[k0:])}
+            if reader.uncounted:
+                skipped["beyond_sizes_json"] += reader.uncounted
+                reader.uncounted = 0
             for j in range(k0, len(perm)):
                 raw = raws[perm[j]]
                 # a bad sample met again while repeating was counted in the first pass of this epoch
@@ -188,9 +223,12 @@ class Reader:
                     return
             fruitless += end - pos
             if fruitless > (M + P + 1 if M is not None else 10 * L + 10_000):
-                raise RuntimeError(f"reader {self.index} (rank {self.rank}, worker {self.worker}) found no "
-                                   f"decodable sample in its share of epoch {epoch}; check the data "
-                                   "(python -m data_tools verify)")
+                bad = sorted(reader.failed_shards)
+                raise StreamError(
+                    f"reader {self.index} (rank {self.rank}, worker {self.worker}) found no decodable sample in "
+                    f"its share of epoch {epoch}" + (f"; unreadable shard(s): {', '.join(bad[:5])}"
+                                                     + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+                                                     if bad else "") + ". Check the data: python -m data_tools verify")
             pos, k0 = end, 0
 
 

@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     # The trainer imports torch, accelerate and open_clip (~5 s): after argument parsing, so that
     # --help and usage errors answer at once.
     from mmpretrain.config import ConfigError, load_config
+    from mmpretrain.data.stream import StreamError
     from mmpretrain.train.build import setup
     from mmpretrain.train.loop import fit
 
@@ -28,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
         fit(run)
     except FloatingPointError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except StreamError as e:
+        print(f"error: {StreamError.message(e)}", file=sys.stderr)
         return 1
     run.accelerator.end_training()
     return 0

@@ -272,3 +272,48 @@ def test_an_image_over_the_pixel_cap_is_skipped_before_decoding():
     with pytest.raises(SkipSample) as e:
         decoder({"__key__": "big", "png": big, "txt": b"a caption"}, 0, 0)
     assert e.value.reason == "too_many_pixels"
+
+
+def _train_cli(data, run_dir, *extra):
+    from conftest import ROOT, run_cli
+
+    return run_cli("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={data}",
+                   f"run_dir={run_dir}", "train.steps=3", "train.epochs=null", "data.batch_size=16",
+                   "optim.warmup_steps=1", "train.log_every=1", "train.progress=false", "train.log_with=[]", *extra)
+
+
+def test_unreadable_shards_stop_the_run_in_one_clear_line(openmoji, tmp_path):
+    import shutil
+
+    data = tmp_path / "train"
+    shutil.copytree(openmoji / "train", data)
+    for shard in sorted(data.glob("*.tar")):
+        shard.write_bytes(b"this is not a tar file" * 100)
+    r = _train_cli(data, tmp_path / "run", "data.num_workers=0")
+    assert r.returncode == 1, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "unreadable shard(s)" in last and "data_tools verify" in last
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("count, needle", [(-3, "-3"), (2.5, "2.5"), ("12", "'12'")])
+def test_bad_counts_in_sizes_json_are_refused_naming_the_file(openmoji, tmp_path, count, needle):
+    import shutil
+
+    data = tmp_path / "train"
+    shutil.copytree(openmoji / "train", data)
+    sizes = json.loads((data / "sizes.json").read_text())
+    sizes[sorted(sizes)[0]] = count
+    (data / "sizes.json").write_text(json.dumps(sizes))
+    r = _train_cli(data, tmp_path / "run", "data.num_workers=0")
+    assert r.returncode == 2 and "sizes.json" in r.stderr and needle in r.stderr, r.stderr[-2000:]
+
+
+def test_samples_beyond_the_sizes_json_count_are_counted(tmp_path):
+    shards = [[m for j in range(6) for m in _sample(f"s{i}k{j}")] for i in range(2)]
+    _write_shards(tmp_path / "d", shards)
+    sizes = json.loads((tmp_path / "d/sizes.json").read_text())
+    sizes["s-000.tar"] = 4  # the shard holds 6
+    (tmp_path / "d/sizes.json").write_text(json.dumps(sizes))
+    keys, skipped, _ = _epoch(tmp_path / "d", batch=2)
+    assert skipped["beyond_sizes_json"] == 2 and len(keys) == 10
