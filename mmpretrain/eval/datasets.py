@@ -205,3 +205,12 @@ def load_splits(spec: str, need_train: bool = True) -> tuple[EvalDataset | None,
             "shard folders (data_tools build writes them) or clip_benchmark's layout with train/ and test/"
         )
     return None, load_dataset(spec)
+
+
+def check_labels(ds: EvalDataset, labels, num_classes: int) -> None:
+    """Labels must index the class names: a label past them would be scored against the wrong classes
+    (a classnames.txt shorter than the labels reported acc1 0.117 with mean_per_class_recall 1.0)."""
+    if len(labels) and (int(labels.max()) >= num_classes or int(labels.min()) < 0):
+        raise ValueError(f"{ds.name}: labels run from {int(labels.min())} to {int(labels.max())} but there are "
+                         f"{num_classes} class names (classnames.txt, or the manifest's classnames): give one "
+                         "name per label")

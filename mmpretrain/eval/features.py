@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mmpretrain.eval.datasets import EvalDataset
+from mmpretrain.eval.datasets import EvalDataset, check_labels
 from mmpretrain.eval.loop import EvalContext, batches, cat_or_empty, gather_in_order
 
 
@@ -42,7 +42,12 @@ def image_features(model, preprocess, ds: EvalDataset, ctx: EvalContext):
 
 
 def num_classes(ds: EvalDataset, *labels: torch.Tensor) -> int:
-    return len(ds.classnames) if ds.classnames else int(max(int(y.max()) for y in labels)) + 1
+    """The dataset's class names, checked against the labels; else the largest label + 1."""
+    if not ds.classnames:
+        return int(max(int(y.max()) for y in labels)) + 1
+    for y in labels:
+        check_labels(ds, y, len(ds.classnames))
+    return len(ds.classnames)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mmpretrain.eval.datasets import EvalDataset
+from mmpretrain.eval.datasets import EvalDataset, check_labels
 from mmpretrain.eval.loop import EvalContext, batches, cat_or_empty, gather_in_order, split_map
 
 DEFAULT_TEMPLATES = ("a photo of a {c}.", "a {c}.", "an image of a {c}.")
@@ -92,5 +92,7 @@ def run(model, preprocess, tokenizer, ds: EvalDataset, ctx: EvalContext) -> dict
     if out["labels"] is None:
         raise ValueError(f"{ds.name}: no labelled samples for zero-shot classification")
     c = len(ds.classnames)
+    check_labels(ds, out["labels"], c)
     return {"n": len(out["labels"]), "metrics": classification_metrics(out["logits"], out["labels"], c),
             "chance": classification_chance(c)}
+
