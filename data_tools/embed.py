@@ -60,9 +60,22 @@ def _marker(folder: Path, shard: str) -> Path:
     return folder / MARKERS / (shard + ".json")
 
 
+def _fingerprint(path: Path) -> dict:
+    st = path.stat()
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
 def _shard_done(folder: Path, shard: str, model: str) -> bool:
-    p = _marker(folder, shard)
-    return p.is_file() and json.loads(p.read_text()).get("model") == model
+    """Embedded with ``model`` -- and the shard is still the one that was embedded (a rebuilt or replaced
+    shard has another size or time: its marker is stale)."""
+    p, shard_path = _marker(folder, shard), folder / shard
+    if not p.is_file() or not shard_path.is_file():
+        return False
+    try:
+        done = json.loads(p.read_text())
+    except ValueError:
+        return False
+    return done.get("model") == model and {k: done.get(k) for k in ("bytes", "mtime_ns")} == _fingerprint(shard_path)
 
 
 def _read_shard(folder: Path, name: str, expected: int) -> tuple[list[dict], list[str]]:
@@ -92,7 +105,8 @@ def _write_shard(folder: Path, name: str, model: str, samples: list[dict], embs:
             np.save(buf, e)
             out.write({**s, "emb.npy": buf.getvalue()})
     os.replace(tmp, folder / name)
-    write_json_atomic(_marker(folder, name), {"model": model, "dim": int(embs.shape[1]), "count": len(samples)})
+    write_json_atomic(_marker(folder, name), {"model": model, "dim": int(embs.shape[1]), "count": len(samples),
+                                              **_fingerprint(folder / name)})
     return len(samples)
 
 

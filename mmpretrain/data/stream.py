@@ -64,10 +64,11 @@ log = logging.getLogger(__name__)
 
 class StreamError(RuntimeError):
     """The stream cannot go on (a reader has no readable sample left): the trainer reports it in one
-    line and exits 1."""
+    line and exits 1. (No ``message`` attribute: torch's DataLoader would then re-raise it from a worker
+    as ``StreamError(message=...)``.)"""
 
     @staticmethod
-    def message(e: BaseException) -> str:
+    def line_of(e: BaseException) -> str:
         """The error's own line (a DataLoader worker re-raises it with the worker's traceback around it)."""
         last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
         return last.split("StreamError: ", 1)[-1]
@@ -135,7 +136,7 @@ class SegmentReader:
         except StopIteration:
             self.failed = "missing_in_shard"  # fewer samples than sizes.json says
         except UNREADABLE as e:
-            log.warning("shard %s unreadable after %d samples: %s", self.urls[seg.shard], seg.start + want, e)
+            log.warning("shard %s unreadable at sample %d: %s", self.urls[seg.shard], seg.start + want, e)
             self.failed = "unreadable_shard"
         self.failed_shards.add(self.urls[seg.shard])
         return self.failed

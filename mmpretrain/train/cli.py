@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except StreamError as e:
-        print(f"error: {StreamError.message(e)}", file=sys.stderr)
+        print(f"error: {StreamError.line_of(e)}", file=sys.stderr)
         return 1
     run.accelerator.end_training()
     return 0

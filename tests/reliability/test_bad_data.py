@@ -282,17 +282,18 @@ def _train_cli(data, run_dir, *extra):
                    "optim.warmup_steps=1", "train.log_every=1", "train.progress=false", "train.log_with=[]", *extra)
 
 
-def test_unreadable_shards_stop_the_run_in_one_clear_line(openmoji, tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_unreadable_shards_stop_the_run_in_one_clear_line(openmoji, tmp_path, workers):
     import shutil
 
     data = tmp_path / "train"
     shutil.copytree(openmoji / "train", data)
     for shard in sorted(data.glob("*.tar")):
         shard.write_bytes(b"this is not a tar file" * 100)
-    r = _train_cli(data, tmp_path / "run", "data.num_workers=0")
+    r = _train_cli(data, tmp_path / "run", f"data.num_workers={workers}")  # 2: raised in a loader worker
     assert r.returncode == 1, r.stderr[-2000:]
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "unreadable shard(s)" in last and "data_tools verify" in last
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "unreadable shard(s)" in errors[0] and "data_tools verify" in errors[0]
     assert "Traceback" not in r.stderr
 
 

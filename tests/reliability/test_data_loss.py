@@ -143,3 +143,20 @@ def test_demo_overwrite_keeps_a_users_files(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert (out / "train" / "notes.txt").read_text() == "mine" and (out / "README.txt").read_text() == "mine too"
     assert json.loads((out / "train/sizes.json").read_text())
+
+
+def test_embed_after_a_rebuild_embeds_the_new_shards(tmp_path):
+    """build --overwrite replaces the shards but leaves embed's own records: those must be seen as stale
+    (make demo runs build --overwrite, then embed, then training that needs the embeddings)."""
+    from conftest import TEXT_MODEL
+
+    out = tmp_path / "demo"
+    args = ["demo:openmoji", "--out", out, "--image-size", "16", "--limit", "500", "--shard-size", "100"]
+    assert _build(*args).returncode == 0
+    assert run_cli("data_tools", "embed", str(out), "--model", TEXT_MODEL).returncode == 0
+    assert _build(*args, "--overwrite").returncode == 0
+    r = run_cli("data_tools", "embed", str(out), "--model", TEXT_MODEL)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert all(e["embedded"] > 0 for e in json.loads(r.stdout))  # every split re-embedded
+    r = run_cli("data_tools", "verify", str(out))
+    assert r.returncode == 0 and "missing_embedding" not in r.stdout, r.stdout[-2000:]
