@@ -10,11 +10,21 @@ from __future__ import annotations
 
 import json
 import math
+import types
+import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from mmpretrain.eval import TASKS
 from mmpretrain.losses import LOSSES
@@ -25,8 +35,24 @@ class ConfigError(ValueError):
     """A config that cannot run. Entry points print it and exit with code 2."""
 
 
+def _allows_bool(annotation: Any) -> bool:
+    if annotation is bool or annotation is Any:
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType, Annotated):
+        return any(_allows_bool(a) for a in typing.get_args(annotation))
+    return False
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        # pydantic takes true/false as 1/0 for numbers: `train.steps=true` would train one step
+        if isinstance(v, bool) and not _allows_bool(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"{str(v).lower()} is a yes/no value, not what this key takes")
+        return v
 
 
 class DataConfig(_Strict):
@@ -76,6 +102,16 @@ class ModelConfig(_Strict):
     )
     overrides: dict[str, Any] = Field(default_factory=dict, description="merged into open_clip's model config")
 
+    @model_validator(mode="after")
+    def _unlocked_needs_locked(self) -> ModelConfig:
+        if self.lock_text_unlocked_layers and not self.lock_text:
+            raise ValueError("model.lock_text_unlocked_layers needs model.lock_text=true (an unlocked tower trains "
+                             "all its layers): set model.lock_text=true or remove lock_text_unlocked_layers")
+        if self.lock_image_unlocked_groups and not self.lock_image:
+            raise ValueError("model.lock_image_unlocked_groups needs model.lock_image=true (an unlocked tower "
+                             "trains all its groups): set model.lock_image=true or remove lock_image_unlocked_groups")
+        return self
+
 
 class TargetsConfig(_Strict):
     model: str = Field(
@@ -89,7 +125,7 @@ class TargetsConfig(_Strict):
 
 class LossTerm(_Strict):
     name: str
-    weight: float = 1.0
+    weight: float = Field(1.0, ge=0, allow_inf_nan=False, description="the term's weight in the sum (0: off)")
     options: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("name")
@@ -115,7 +151,8 @@ class LossTerm(_Strict):
 class OptimConfig(_Strict):
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.1, ge=0)
-    betas: tuple[float, float] = (0.9, 0.98)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
+        (0.9, 0.98), description="AdamW's (beta1, beta2), each in [0, 1)")
     eps: float = Field(1e-6, gt=0)
     warmup_steps: int | None = Field(None, ge=0, description="default: 10% of total steps")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine floor as a fraction of lr")
@@ -197,6 +234,17 @@ class HubConfig(_Strict):
                                    "this into checkpoints/step_N of the repo")
     private: bool = True
     revision: str | None = None
+
+    @field_validator("repo_id")
+    @classmethod
+    def _repo_id(cls, v: str) -> str:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(v)
+        except HFValidationError as e:
+            raise ValueError(f"not a Hub repository ID (ORG/NAME): {e}") from None
+        return v
 
 
 class ExperimentConfig(_Strict):
@@ -300,6 +348,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {p} not found")
         try:
             loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {p} is not UTF-8 text ({e.reason} at byte {e.start}): "
+                              "is it the YAML config?") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
         if loaded is not None and not isinstance(loaded, dict):
@@ -315,6 +366,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 tree[name] = [d.model_dump() if isinstance(d, BaseModel) else d for d in default]
     for item in overrides or []:
         keys, value = parse_override(item)
+        if keys in (["train", "steps"], ["train", "epochs"]) and value is not None and isinstance(tree.get("train"), dict):
+            # the duration is one setting: the later one replaces the other (train.steps=N on an epochs config)
+            tree["train"].pop("epochs" if keys[1] == "steps" else "steps", None)
         _set_path(tree, keys, value, item)
     if overrides:
         source += " + overrides"

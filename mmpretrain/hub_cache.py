@@ -25,6 +25,34 @@ def hub_cache_dir() -> Path:
     return Path(constants.HF_HUB_CACHE)
 
 
+def offline() -> bool:
+    return any(os.environ.get(v, "").upper() in {"1", "ON", "YES", "TRUE"} for v in ("HF_HUB_OFFLINE",
+                                                                                  "TRANSFORMERS_OFFLINE"))
+
+
+def require_model(name: str, setting: str) -> None:
+    """A model named by a setting must be loadable here, checked before any work: a local folder
+    that exists, or a Hub ID that is in the cache when offline (online, the Hub resolves it).
+    Raises ValueError naming the setting and the fix."""
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:
+        if not path.is_dir():
+            raise ValueError(f"{setting}={name}: no such model folder (give a folder with config.json, or a "
+                             "Hub ID such as sentence-transformers/all-MiniLM-L6-v2)")
+        return
+    if not offline():
+        return
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        snapshot_download(name, local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError, OSError):
+        raise ValueError(f"{setting}={name} is not in the local Hugging Face cache ({hub_cache_dir()}) and the Hub "
+                         "is offline (HF_HUB_OFFLINE=1): download it once where there is internet (`hf download "
+                         f"{name}`), copy the cache, or give a local folder") from None
+
+
 def _revision_for(folder: Path) -> str:
     h = hashlib.sha1()
     for f in sorted(p for p in folder.rglob("*") if p.is_file()):

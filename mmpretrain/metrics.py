@@ -19,9 +19,13 @@ GEOMETRY_ROWS = 4096
 
 @torch.no_grad()
 def geometry(x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
-    """The measures of the first :data:`GEOMETRY_ROWS` pairs, in float32."""
+    """The measures of the first :data:`GEOMETRY_ROWS` pairs, in float32 (those of negatives need
+    two pairs: a batch of one gives the others only)."""
     x, y = x[:GEOMETRY_ROWS].float(), y[:GEOMETRY_ROWS].float()
     B = x.shape[0]
+    if B < 2:
+        return {"align": float((x - y).pow(2).sum(1).mean()), "modality_gap": float((x.mean(0) - y.mean(0)).norm()),
+                "pos_sim_mean": float((x * y).sum(1).mean())}
     off = ~torch.eye(B, dtype=torch.bool, device=x.device)
 
     def uniform(z: torch.Tensor) -> float:

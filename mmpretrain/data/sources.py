@@ -100,6 +100,10 @@ def resolve_source(spec: str, weight: float = 1.0) -> Source:
     urls = list(braceexpand(spec))
     local = [u for u in urls if not u.startswith("pipe:") and _is_local(u.removeprefix("file://"))]
     missing = [u for u in local if not Path(u.removeprefix("file://")).is_file()]
+    if missing and any(c in spec for c in "*?["):
+        raise FileNotFoundError(f"data.train: {spec} holds a glob pattern, which is not expanded: name shards with "
+                                "braces (shards/train-{000000..000099}.tar) or give the dataset folder (with "
+                                "sizes.json)")
     if missing:
         raise FileNotFoundError(f"data.train: shard {missing[0]} does not exist ({len(missing)} missing)")
     sizes = _read_sizes_near(urls, spec)

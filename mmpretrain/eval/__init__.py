@@ -71,9 +71,10 @@ def evaluate(model, preprocess, tokenizer, data: str | Path | TaskData, task: st
 
 @dataclass
 class Evaluator:
-    """``run(model, preprocess, tokenizer) -> list of results entries`` for several (dataset, task)."""
+    """``run(model, preprocess, tokenizer) -> list of results entries`` for several (dataset, task);
+    a dataset is a spec or what :func:`load_task_data` returned for it (loaded once, up front)."""
 
-    jobs: list[tuple[str, str]]
+    jobs: list[tuple[str | TaskData, str]]
     batch_size: int = 256
     recall_k: list[int] = field(default_factory=lambda: [1, 5, 10])
     device: str = "cpu"

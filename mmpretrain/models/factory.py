@@ -9,6 +9,10 @@ was trained with.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import inspect
+import types
+import typing
 from dataclasses import asdict
 from pathlib import Path
 
@@ -58,6 +62,7 @@ def resolve_model_cfg(arch: str, text_model: str | None = None, overrides: dict 
             f"model.arch={arch!r} is not an open_clip architecture; choose one of open_clip.list_models() "
             f"(packaged tiny ones: {sorted(p.stem for p in PACKAGED_CONFIGS.glob('*.json'))})"
         )
+    check_overrides(overrides or {})
     cfg = _deep_merge(cfg, overrides or {})
     if text_model is not None:
         if not is_hf_text(cfg):
@@ -68,6 +73,51 @@ def resolve_model_cfg(arch: str, text_model: str | None = None, overrides: dict 
         cfg["text_cfg"]["hf_model_name"] = text_model
         cfg["text_cfg"]["hf_tokenizer_name"] = text_model
     return cfg
+
+
+_TOWER_CFGS = {"vision_cfg": open_clip.CLIPVisionCfg, "text_cfg": open_clip.CLIPTextCfg}
+
+
+def _type_ok(value, hint) -> bool:
+    """Whether a YAML value fits a dataclass field's type (types this does not know: assumed to)."""
+    if hint in (int, float, str, bool):
+        if isinstance(value, bool):
+            return hint is bool
+        return isinstance(value, (int, float)) if hint is float else isinstance(value, hint)
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(value is None if a is type(None) else _type_ok(value, a) for a in typing.get_args(hint))
+    if origin in (tuple, list):
+        return isinstance(value, (list, tuple))
+    if origin is dict:
+        return isinstance(value, dict)
+    return True
+
+
+def check_overrides(overrides: dict) -> None:
+    """``model.overrides`` keys must be open_clip's (the model's arguments, ``vision_cfg``/``text_cfg``
+    fields) with values of their types; a misspelt key would be a TypeError deep in open_clip."""
+    top = set(inspect.signature(open_clip.CLIP.__init__).parameters) | set(
+        inspect.signature(open_clip.CustomTextCLIP.__init__).parameters) | {"custom_text"}
+    top -= {"self", "args", "kwargs"}
+    for key, value in overrides.items():
+        if key not in top:
+            raise ValueError(f"model.overrides.{key}: not an open_clip model setting; choose one of {sorted(top)}")
+        if key in _TOWER_CFGS:
+            if not isinstance(value, dict):
+                raise ValueError(f"model.overrides.{key}: must be a mapping of {_TOWER_CFGS[key].__name__} fields")
+            hints = typing.get_type_hints(_TOWER_CFGS[key])
+            names = [f.name for f in dataclasses.fields(_TOWER_CFGS[key])]
+            for k, v in value.items():
+                if k not in names:
+                    near = [n for n in names if n[:3] == k[:3]]
+                    raise ValueError(f"model.overrides.{key}.{k}: not a field of open_clip's "
+                                     f"{_TOWER_CFGS[key].__name__}{f' (did you mean {near[0]}?)' if near else ''}")
+                if not _type_ok(v, hints[k]):
+                    kind = str(hints[k]).replace("typing.", "")
+                    raise ValueError(f"model.overrides.{key}.{k}={v!r}: must be of type {kind}")
+        elif key == "embed_dim" and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"model.overrides.embed_dim={value!r}: must be a positive whole number")
 
 
 def default_preprocess_cfg(model_cfg: dict) -> dict:

@@ -25,7 +25,8 @@ from mmpretrain.data.plan import StreamPlan, check_shard_count
 from mmpretrain.data.sources import Source, resolve_sources
 from mmpretrain.data.stream import StreamPosition, TrainStream, make_loader
 from mmpretrain.data.tar import UNREADABLE, read_tar
-from mmpretrain.eval import Evaluator
+from mmpretrain.eval import Evaluator, load_task_data
+from mmpretrain.hub_cache import offline, require_model
 from mmpretrain.losses import WeightedObjective, build_objective
 from mmpretrain.models import factory
 from mmpretrain.models.target_encoder import choose_target_source, load_target_encoder
@@ -155,6 +156,9 @@ def build_model(cfg: ExperimentConfig, objective: WeightedObjective) -> Model:
     m = cfg.model
     try:
         model_cfg = factory.resolve_model_cfg(m.arch, m.text_model, m.overrides)
+        if factory.is_hf_text(model_cfg):
+            require_model(model_cfg["text_cfg"]["hf_model_name"],
+                          "model.text_model" if m.text_model else f"model.arch={m.arch}'s text tower")
         if m.text_from_targets:
             factory.check_text_from_targets(model_cfg, cfg.targets.model)
         model_cfg = factory.with_logit_init(model_cfg, objective.init_logit_scale, objective.init_logit_bias)
@@ -166,6 +170,8 @@ def build_model(cfg: ExperimentConfig, objective: WeightedObjective) -> Model:
         )
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
+    except (TypeError, RuntimeError) as e:  # what check_overrides cannot foresee, e.g. a negative width
+        raise ConfigError(f"open_clip cannot build model.arch={m.arch} with model.overrides={m.overrides}: {e}") from None
     # a scale or bias no term uses would get no gradient: DDP stops at the second step on it
     if not objective.uses_logit_scale:
         module.clip.logit_scale.requires_grad_(False)
@@ -241,8 +247,34 @@ def write_run_files(files: RunFolder, cfg: ExperimentConfig, data: Data, model: 
     files.log.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
+def check_outside_inputs(cfg: ExperimentConfig) -> None:
+    """What the config names outside itself, before any work: the run folder can be a folder, the Hub
+    is reachable when checkpoints are to be uploaded."""
+    root = cfg.resolved_run_dir
+    for p in (root, *root.parents):
+        if p.exists() and not p.is_dir():
+            raise ConfigError(f"run_dir={root}: {p} is a file, not a folder: choose another run_dir (or name)")
+    if cfg.hub is not None and offline():
+        raise ConfigError(f"hub.repo_id={cfg.hub.repo_id}: the Hub is offline (HF_HUB_OFFLINE=1), so no checkpoint "
+                          "could be uploaded: unset HF_HUB_OFFLINE, or remove the hub section and upload later "
+                          "with `python -m mmpretrain.export RUN --out DIR --push-to-hub ORG/NAME`")
+
+
+def load_eval_data(cfg: ExperimentConfig) -> list[tuple[Any, str]]:
+    """Each ``eval.datasets`` entry loaded up front (not after the first ``eval.every`` steps)."""
+    jobs = []
+    for i, (spec, task) in enumerate(cfg.eval.jobs):
+        try:
+            jobs.append((load_task_data(spec, task), task))
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"eval.datasets.{i}={spec} (task {task}): {e}") from None
+    return jobs
+
+
 def setup(cfg: ExperimentConfig) -> Run:
     """Everything a run needs, resuming the run folder's latest checkpoint (or ``resume``) when there is one."""
+    check_outside_inputs(cfg)
+    eval_jobs = load_eval_data(cfg) if cfg.eval is not None else []
     acc = make_accelerator(cfg)
     rank, world = acc.process_index, acc.num_processes
     files = RunFolder(cfg.resolved_run_dir)
@@ -250,6 +282,11 @@ def setup(cfg: ExperimentConfig) -> Run:
     data = build_data(cfg, world)
     objective = build_objective_for(cfg, rank, world, data.schedule.num_samples)
     targets = target_source(cfg, data.sources, objective)
+    if targets == "online":
+        try:
+            require_model(cfg.targets.model, "targets.model")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     model = build_model(cfg, objective)
     # the same initial weights on every rank (seeded above), then each rank its own random stream, so
     # that dropout and patch dropout draw different masks on different ranks (seed + rank)
@@ -267,7 +304,7 @@ def setup(cfg: ExperimentConfig) -> Run:
     acc.wait_for_everyone()
     evaluator = None
     if cfg.eval is not None:
-        evaluator = Evaluator(cfg.eval.jobs, batch_size=cfg.eval.batch_size, device=str(acc.device),
+        evaluator = Evaluator(eval_jobs, batch_size=cfg.eval.batch_size, device=str(acc.device),
                               num_workers=cfg.eval.num_workers, rank=rank, world_size=world)
     run = Run(cfg, acc, module, objective, optimizer, loader, data.schedule, files, state,
               preprocess=image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=False),
