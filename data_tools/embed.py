@@ -18,6 +18,7 @@ import webdataset as wds
 
 from mmpretrain.data.manifest import MANIFEST, SIZES, read_manifest, read_sizes, write_json_atomic
 from mmpretrain.data.tar import UNREADABLE, read_tar
+from mmpretrain.hub_cache import require_model
 from mmpretrain.launch import current_process
 
 MARKERS = ".embed"  # per-shard completion records: {model, dim, count}
@@ -164,6 +165,10 @@ def embed(path: str | Path, model: str, *, overwrite: bool = False, batch_size: 
     folders = dataset_folders(path)
     for folder in folders:  # refuse before loading anything
         check_model(folder, model, overwrite)
+    try:  # before --overwrite drops the earlier records: a misspelt --model must not cost them
+        require_model(model, "--model")
+    except ValueError as e:
+        raise EmbedError(str(e)) from None
     proc = current_process()
     rank, world = proc.rank, proc.world_size
     if overwrite and rank == 0:

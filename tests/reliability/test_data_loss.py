@@ -160,3 +160,15 @@ def test_embed_after_a_rebuild_embeds_the_new_shards(tmp_path):
     assert all(e["embedded"] > 0 for e in json.loads(r.stdout))  # every split re-embedded
     r = run_cli("data_tools", "verify", str(out))
     assert r.returncode == 0 and "missing_embedding" not in r.stdout, r.stdout[-2000:]
+
+
+def test_embed_overwrite_with_a_model_it_cannot_load_keeps_the_earlier_records(openmoji, tmp_path):
+    """--overwrite drops embed's records of the earlier model; a misspelt --model used to drop them and
+    then fail to load (an OSError traceback): now it is refused before anything is touched."""
+    data = tmp_path / "data"
+    shutil.copytree(openmoji, data)
+    before = _snapshot(data)
+    for model in ("nobody/no-such-encoder", str(tmp_path / "no-such-folder")):
+        r = run_cli("data_tools", "embed", str(data), "--model", model, "--overwrite")
+        assert r.returncode == 2 and "--model" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert _snapshot(data) == before
