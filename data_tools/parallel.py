@@ -109,14 +109,12 @@ def write_chunk(task: tuple) -> dict[str, Any]:
 
 
 def _duplicates(source, chunks: list, names: list[str]) -> dict[str, set[str]]:
-    """Keys that appeared in an earlier chunk, per chunk (the first occurrence is kept)."""
-    keys = source.keys()
-    if keys is None:
-        return {n: set() for n in names}
+    """Keys that appeared in an earlier chunk, per chunk (the first occurrence is kept; repeats
+    within a chunk are caught while it is written)."""
     per: dict[str, set[str]] = {n: set() for n in names}
     first: dict[str, int] = {}
-    for c, (chunk, name) in enumerate(zip(chunks, names)):
-        for k in keys[chunk[0]:chunk[1]]:
+    for c, (keys, name) in enumerate(zip(source.keys_by_chunk(chunks), names)):
+        for k in keys:
             if first.setdefault(k, c) != c:
                 per[name].add(k)
     return per
@@ -130,8 +128,7 @@ def build_parallel(source, out: str | Path, *, prefix: str, shard_size: int, wor
     names = [f"{prefix}-{k:06d}.tar" for k in range(len(chunks))]
     proc = current_process()
     rank, world = proc.rank, proc.world_size
-    dups = (_duplicates(source, chunks, names) if chunks and isinstance(chunks[0], tuple)
-            else {n: set() for n in names})
+    dups = _duplicates(source, chunks, names)
     tasks = [(source, chunks[k], str(out), names[k], opts, dups[names[k]])
              for k in range(len(chunks)) if k % world == rank and not chunk_done(out, names[k])]
     mine = {t[3][: -len(".tar")] for t in tasks}

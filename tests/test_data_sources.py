@@ -144,6 +144,43 @@ def test_img2dataset_output(tmp_path, emoji_images):
     assert meta["url"].startswith("http://x/")
 
 
+def test_the_same_key_in_two_img2dataset_tars_is_written_once_and_counted(tmp_path, emoji_images):
+    """A key repeated across tars trained twice, uncounted: build now finds it from the tars' headers
+    (before writing) and keeps the first; verify reports repeats across the shards of a folder."""
+    import shutil
+
+    import webdataset as wds
+
+    from data_tools.inspect import verify
+    from mmpretrain.data.tar import tar_keys
+
+    src = tmp_path / "i2d"
+    src.mkdir()
+    for t in range(3):
+        with wds.TarWriter(str(src / f"{t:05d}.tar"), encoder=False) as w:
+            for i, (path, caption) in enumerate(emoji_images[t * 5:(t + 1) * 5]):
+                buf = io.BytesIO()
+                Image.open(path).convert("RGB").save(buf, format="JPEG")
+                key = "00000001" if (t, i) in ((0, 1), (2, 4)) else f"{t:04d}{i:04d}"  # tar 2 repeats tar 0's
+                w.write({"__key__": key, "jpg": buf.getvalue(), "txt": caption.encode()})
+    assert list(tar_keys(src / "00002.tar"))[-1] == "00000001"
+    res = build(str(src), tmp_path / "out", **KW)
+    assert res["samples"] == 14 and res["skipped"] == {"duplicate_key": 1}
+    keys = [s["__key__"] for p in sorted((tmp_path / "out").glob("*.tar")) for s in read_tar(p)]
+    assert len(keys) == len(set(keys)) == 14
+    assert verify(tmp_path / "out") == {str(tmp_path / "out"): {}}
+    # a shard folder whose shards repeat a key (written by another tool): verify names both places
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "out", bad)
+    first = sorted(bad.glob("*.tar"))[0]
+    shutil.copy(first, bad / "copy-000000.tar")
+    sizes = json.loads((bad / "sizes.json").read_text())
+    (bad / "sizes.json").write_text(json.dumps({**sizes, "copy-000000.tar": sizes[first.name]}))
+    problems = verify(bad)[str(bad)]
+    assert len(problems["duplicate_key"]) == sizes[first.name]
+    assert "also in" in problems["duplicate_key"][0]
+
+
 def test_hf_saved_dataset(tmp_path, emoji_images):
     import datasets
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from data_tools.sources.records import MISSING_FILE, MISSING_IMAGE, Record
 from mmpretrain.data.decode import IMAGE_EXTS
-from mmpretrain.data.tar import UNREADABLE, read_tar
+from mmpretrain.data.tar import UNREADABLE, read_tar, tar_keys
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
@@ -48,6 +48,10 @@ class RangeSource:
 
     def record(self, i: int) -> Record:
         raise NotImplementedError
+
+    def keys_by_chunk(self, chunks: list[tuple[int, int]]) -> list[list[str]]:
+        keys = self.keys()
+        return [keys[a:b] for a, b in chunks]
 
     def chunks(self, size: int) -> list[tuple[int, int]]:
         n = len(self)
@@ -237,8 +241,20 @@ class Img2DatasetSource:
         except UNREADABLE:  # a cut or corrupt tar: what it held up to the damage was yielded
             yield Record(f"unreadable-{chunk}", error="unreadable_tar")
 
-    def keys(self) -> None:
-        return None  # known only by reading; duplicates are caught within each tar
+    def keys_by_chunk(self, chunks: list[str]) -> list[list[str]]:
+        """The keys each tar's samples will be written under, from the headers alone (a fraction of
+        the cost of reading them); a damaged tar gives those before the damage (the rest is counted
+        when it is read)."""
+        out = []
+        for chunk in chunks:
+            keys: list[str] = []
+            try:
+                for k in tar_keys(self.path / chunk):
+                    keys.append(clean_key(k))
+            except UNREADABLE:
+                pass
+            out.append(keys)
+        return out
 
 
 class HFSource(RangeSource):

@@ -20,7 +20,7 @@ from typing import Any
 
 from mmpretrain.data.sources import open_url
 
-__all__ = ["UNREADABLE", "read_tar", "split_name"]
+__all__ = ["UNREADABLE", "read_tar", "split_name", "tar_keys"]
 
 # what reading a broken shard raises: a cut stream (EOFError), bad header fields (ValueError), I/O and
 # gzip errors (OSError, zlib.error)
@@ -92,12 +92,8 @@ def read_tar(url: str | Path, skip: int = 0) -> Iterator[dict[str, Any]]:
     ``skip`` samples whose bytes are never copied out. Raises one of :data:`UNREADABLE` on an
     unreadable or truncated tar, after yielding what it read."""
     raw = open_url(str(url))
-    stream = raw
     try:
-        if not hasattr(stream, "peek"):
-            stream = io.BufferedReader(stream if hasattr(stream, "readinto") else _RawAdapter(stream), 1 << 20)
-        if stream.peek(2)[:2] == b"\x1f\x8b":
-            stream = io.BufferedReader(gzip.GzipFile(fileobj=stream), 1 << 20)
+        stream = _buffered(raw)
         key, sample, n = None, {}, 0
         for name, size, is_file in _members(stream):
             parts = split_name(name) if is_file else None
@@ -120,6 +116,33 @@ def read_tar(url: str | Path, skip: int = 0) -> Iterator[dict[str, Any]]:
             yield sample
     finally:
         raw.close()
+
+
+def tar_keys(url: str | Path) -> Iterator[str]:
+    """The sample keys of one shard in order, from its headers alone (member data is skipped, not
+    copied out). Raises one of :data:`UNREADABLE` like :func:`read_tar`, after the keys it read."""
+    raw = open_url(str(url))
+    try:
+        stream = _buffered(raw)
+        last = None
+        for name, size, is_file in _members(stream):
+            parts = split_name(name) if is_file else None
+            if parts is not None and parts[0] != last:
+                last = parts[0]
+                yield last
+            _skip(stream, size + (-size % 512))
+    finally:
+        raw.close()
+
+
+def _buffered(raw):
+    """A peekable stream over ``raw``, gunzipped when it is gzip."""
+    stream = raw
+    if not hasattr(stream, "peek"):
+        stream = io.BufferedReader(stream if hasattr(stream, "readinto") else _RawAdapter(stream), 1 << 20)
+    if stream.peek(2)[:2] == b"\x1f\x8b":
+        stream = io.BufferedReader(gzip.GzipFile(fileobj=stream), 1 << 20)
+    return stream
 
 
 class _RawAdapter(io.RawIOBase):
