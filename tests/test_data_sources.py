@@ -248,3 +248,40 @@ def test_build_and_embed_on_two_ranks(tmp_path, emoji_images):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["embedding"]["count"] == manifest["counts"]["samples"] == 950
     assert run_cli("data_tools", "verify", str(out), "--strict").returncode == 0
+
+
+def test_table_and_folder_paths_stay_inside_the_base_dir_and_only_regular_files_are_read(tmp_path, emoji_images):
+    """Relative paths may not leave --base-dir (nor symlinks out of it); absolute ones are taken as
+    given; a named pipe (it hung the build) and /dev/zero (MemoryError) are skipped and counted; a
+    caption past csv's 131,072-character field limit (it rejected the whole CSV) is counted; NUL
+    bytes are stripped from captions."""
+    import csv
+    import os
+
+    base = tmp_path / "base"
+    base.mkdir()
+    outside = tmp_path / "outside.png"
+    outside.write_bytes(emoji_images[0][0].read_bytes())
+    for i, (path, _) in enumerate(emoji_images[:4]):
+        (base / f"{i}{path.suffix}").write_bytes(path.read_bytes())
+    (base / "link.png").symlink_to(outside)
+    os.mkfifo(base / "pipe.png")
+    rows = [["0" + emoji_images[0][0].suffix, "a plain caption"],            # kept
+            ["1" + emoji_images[1][0].suffix, "nul\x00 bytes\x00"],          # kept, NULs stripped
+            ["2" + emoji_images[2][0].suffix, "x" * 200_000],                # caption_too_long
+            [str(outside), "an absolute path, as CC3M-style tables use"],   # kept
+            ["../outside.png", "escapes the base"],                          # outside_base_dir
+            ["link.png", "a symlink out of the base"],                       # outside_base_dir
+            ["pipe.png", "a named pipe"],                                    # not_a_regular_file
+            ["/dev/zero", "a device"]]                                       # not_a_regular_file
+    table = tmp_path / "t.csv"
+    with open(table, "w", newline="") as f:
+        csv.writer(f).writerows([["image", "caption"], *rows])
+    res = build(str(table), tmp_path / "out", base_dir=str(base), **KW)
+    assert res["samples"] == 3
+    assert res["skipped"] == {"caption_too_long": 1, "outside_base_dir": 2, "not_a_regular_file": 2}
+    captions = {s["txt"].decode() for p in (tmp_path / "out").glob("*.tar") for s in read_tar(p)}
+    assert "nul bytes" in captions and not any("\x00" in c for c in captions)
+    # an image folder: the symlink out of it is counted, the pipe is not an image file at all
+    res = build(str(base), tmp_path / "out2", **KW)
+    assert res["skipped"] == {"outside_base_dir": 1, "missing_caption": 4}

@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import json
 import re
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from data_tools.sources.records import MISSING_FILE, MISSING_IMAGE, Record
+from data_tools.sources.records import (
+    FILE_TOO_LARGE,
+    MISSING_FILE,
+    MISSING_IMAGE,
+    NOT_A_REGULAR_FILE,
+    OUTSIDE_BASE_DIR,
+    Record,
+)
 from mmpretrain.data.decode import IMAGE_EXTS
 from mmpretrain.data.tar import UNREADABLE, read_tar, tar_keys
 
@@ -28,11 +36,37 @@ def clean_key(raw: str) -> str:
     return re.sub(r"[^A-Za-z0-9_\-]", "_", raw)
 
 
-def _read_bytes(path: Path) -> bytes | None:
+# a source file past this is not an image to re-encode (a 64-megapixel RGB PNG is ~200 MB)
+MAX_FILE_BYTES = 1 << 30
+
+
+def read_source_file(path: str | Path, base: Path | None = None) -> tuple[bytes | None, str | None]:
+    """``(bytes, None)`` or ``(None, skip reason)`` for a file a source names. A relative ``path`` is
+    taken against ``base`` and, symlinks followed, may not leave it (``outside_base_dir``); an absolute
+    one is taken as given. Only regular files are read: a named pipe would block the build, a device
+    such as /dev/zero would fill the memory."""
+    p = Path(path)
+    if base is not None and not p.is_absolute():
+        p = base / p
+        try:
+            inside = p.resolve().is_relative_to(base.resolve())
+        except (OSError, RuntimeError):  # a symlink loop
+            return None, MISSING_FILE
+        if not inside:
+            return None, OUTSIDE_BASE_DIR
     try:
-        return path.read_bytes()
-    except (FileNotFoundError, IsADirectoryError, PermissionError):
-        return None
+        st = p.stat()
+    except (OSError, ValueError):  # missing, permission, a NUL in the name
+        return None, MISSING_FILE
+    if not stat.S_ISREG(st.st_mode):
+        return None, NOT_A_REGULAR_FILE
+    if st.st_size > MAX_FILE_BYTES:
+        return None, FILE_TOO_LARGE
+    try:
+        with open(p, "rb") as f:
+            return f.read(MAX_FILE_BYTES + 1), None
+    except OSError:
+        return None, MISSING_FILE
 
 
 class RangeSource:
@@ -111,7 +145,10 @@ class TableSource(RangeSource):
                 elif suffix in (".tsv", ".csv", ".txt"):
                     import csv
 
-                    # undecodable bytes survive as surrogates; such a caption is skipped and counted later
+                    # undecodable bytes survive as surrogates; such a caption is skipped and counted later;
+                    # a field past csv's 131,072-character default would reject the whole table: a long
+                    # caption is skipped and counted later (caption_too_long)
+                    csv.field_size_limit(1 << 30)
                     with open(self.path, newline="", encoding="utf-8", errors="surrogateescape") as f:
                         reader = csv.reader(f, delimiter="," if suffix == ".csv" else "\t",
                                             quoting=csv.QUOTE_MINIMAL if suffix == ".csv" else csv.QUOTE_NONE)
@@ -151,10 +188,8 @@ class TableSource(RangeSource):
         meta = {"source_row": i, "image_path": rel}
         if not rel:
             return Record(key, caption=caption, meta=meta, error=MISSING_IMAGE)
-        data = _read_bytes(self.base_dir / rel)
-        if data is None:
-            return Record(key, caption=caption, meta=meta, error=MISSING_FILE)
-        return Record(key, image=data, caption=caption, meta=meta)
+        data, error = read_source_file(rel, self.base_dir)
+        return Record(key, image=data, caption=caption, meta=meta, error=error)
 
 
 class FolderSource(RangeSource):
@@ -187,10 +222,9 @@ class FolderSource(RangeSource):
         if self.captions is not None:
             caption = self.captions.get(rel)
         else:
-            caption = _read_bytes((self.path / rel).with_suffix(".txt"))
-        data = _read_bytes(self.path / rel)
-        return Record(key, image=data, caption=caption, meta={"image_path": rel},
-                      error=MISSING_FILE if data is None else None)
+            caption = read_source_file(Path(rel).with_suffix(".txt"), self.path)[0]
+        data, error = read_source_file(rel, self.path)
+        return Record(key, image=data, caption=caption, meta={"image_path": rel}, error=error)
 
 
 def _read_captions(path: Path) -> dict[str, str]:
@@ -306,16 +340,15 @@ class HFSource(RangeSource):
     def record(self, i: int) -> Record:
         row = self._dataset()[i]
         img = row[self.image_column]
+        data, error = img, None  # a PIL image or None
         if isinstance(img, dict):
             data = img.get("bytes")
             if data is None and img.get("path"):
-                data = _read_bytes(Path(img["path"]))
+                data, error = read_source_file(img["path"])
         elif isinstance(img, str):
-            data = _read_bytes(Path(img))
-        else:
-            data = img  # a PIL image or None
+            data, error = read_source_file(img)
         return Record(f"{i:09d}", image=data, caption=row[self.caption_column], meta={"source_row": i},
-                      error=MISSING_FILE if data is None else None)
+                      error=error or (MISSING_FILE if data is None else None))
 
 
 def detect(source: str, source_type: str | None) -> str:

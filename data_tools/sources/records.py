@@ -21,6 +21,13 @@ EMPTY_CAPTION = "empty_caption"
 CAPTION_NOT_UTF8 = "caption_not_utf8"
 DUPLICATE_KEY = "duplicate_key"
 MISSING_IMAGE = "missing_image"
+OUTSIDE_BASE_DIR = "outside_base_dir"
+NOT_A_REGULAR_FILE = "not_a_regular_file"
+FILE_TOO_LARGE = "file_too_large"
+CAPTION_TOO_LONG = "caption_too_long"
+
+# a caption past this is page text, not a caption (the text towers read 77 tokens, ~300 characters)
+MAX_CAPTION_CHARS = 16_384
 
 
 @dataclass
@@ -46,9 +53,11 @@ def decode_caption(caption: str | bytes | None) -> str:
         caption.encode("utf-8")
     except UnicodeEncodeError:  # undecodable bytes kept as surrogates by the table reader
         raise BadImage(CAPTION_NOT_UTF8) from None
-    caption = caption.strip()
+    caption = caption.replace("\x00", "").strip()  # NUL bytes would end the caption in C tools
     if not caption:
         raise BadImage(EMPTY_CAPTION)
+    if len(caption) > MAX_CAPTION_CHARS:
+        raise BadImage(CAPTION_TOO_LONG, f"{len(caption)} characters")
     return caption
 
 
