@@ -131,6 +131,8 @@ def tar_keys(url: str | Path) -> Iterator[str]:
                 last = parts[0]
                 yield last
             _skip(stream, size + (-size % 512))
+        if stream.seekable() and stream.tell() > stream.seek(0, io.SEEK_END):  # skipped past the end
+            raise EOFError(f"{url}: the last member's data is cut short")
     finally:
         raw.close()
 

@@ -14,6 +14,8 @@ test against a naive reference and the 2-rank parity test in ``tests/test_eval.p
 from __future__ import annotations
 
 import json
+import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +23,7 @@ from typing import Any, Literal
 
 from mmpretrain.eval import clustering, knn, linear_probe, retrieval, zero_shot
 from mmpretrain.eval.datasets import EvalDataset, load_dataset, load_splits
-from mmpretrain.eval.loop import EvalContext
+from mmpretrain.eval.loop import EvalContext, gather
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,10 @@ def evaluate(model, preprocess, tokenizer, data: str | Path | TaskData, task: st
     model.eval()
     res = TASKS[task].run(model, preprocess, tokenizer, data, ctx)
     name = (data if isinstance(data, EvalDataset) else data[1]).name
-    return {"dataset": name, "task": task, "model": model_name, **res}
+    skipped = sum((Counter(c) for c in gather(dict(ctx.skipped), world_size)), Counter())
+    if skipped and rank == 0:
+        print(f"warning: {name} {task}: skipped {dict(skipped)} (left out of every metric)", file=sys.stderr)
+    return {"dataset": name, "task": task, "model": model_name, **res, **({"skipped": dict(skipped)} if skipped else {})}
 
 
 @dataclass
@@ -92,6 +97,26 @@ class Evaluator:
                     for d, t in self.jobs]
         finally:
             model.train(was_training)
+
+
+def check_results_file(path: str | Path) -> None:
+    """``--output`` must be a results file this command can add to (or not exist yet, in a folder that
+    can hold it), checked before any evaluation runs. Raises ValueError naming it."""
+    path = Path(path)
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise ValueError(f"--output {path}: {parent} is a file, not a folder")
+    if path.is_dir():
+        raise ValueError(f"--output {path} is a folder: give a file, e.g. {path / 'results.json'}")
+    if not path.exists():
+        return
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        data = None
+    if not isinstance(data, dict) or not isinstance(data.get("results"), list):
+        raise ValueError(f"--output {path} exists and is not a results file (a JSON object with a 'results' "
+                         "list): choose another path; it is left as it is")
 
 
 def merge_results(path: str | Path, entries: list[dict[str, Any]]) -> dict[str, Any]:

@@ -14,7 +14,8 @@ import argparse
 import json
 import sys
 
-from mmpretrain.eval import TASKS, evaluate, format_table, load_task_data, merge_results
+from mmpretrain.eval import TASKS, check_results_file, evaluate, format_table, load_task_data, merge_results
+from mmpretrain.eval.datasets import BadEvalData
 from mmpretrain.eval.zero_shot import named_templates
 from mmpretrain.launch import current_process
 
@@ -40,6 +41,12 @@ def main(argv: list[str] | None = None) -> int:
         print("error: give one --task, or one per --dataset", file=sys.stderr)
         return 2
     tasks = args.task * len(args.dataset) if len(args.task) == 1 else args.task
+    if args.output:
+        try:
+            check_results_file(args.output)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
 
     # open_clip takes ~5 s to import: after argument parsing, so that --help and usage errors are instant
     from mmpretrain.models.factory import load_model
@@ -55,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
             for ds in data:
                 if hasattr(ds, "templates"):
                     ds.templates = templates
+    except BadEvalData as e:  # the dataset is there but broken: the data, not the command, needs fixing
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -19,13 +19,36 @@ from PIL import Image
 
 from mmpretrain.data.decode import IMAGE_EXTS, parse_label
 from mmpretrain.data.manifest import read_manifest, read_sizes
-from mmpretrain.data.tar import read_tar
+from mmpretrain.data.tar import UNREADABLE, read_tar, tar_keys
+
+
+class BadEvalData(ValueError):
+    """The dataset is there but does not hold what evaluation needs (exit 1, not a usage error)."""
+
+
+def check_shards(spec: str, shards: list[Path]) -> None:
+    """Every shard present, a readable tar, and at least one sample among them: checked from the tar
+    headers before any model loads (an HTML error page saved as ``0.tar`` was a traceback mid-run)."""
+    missing = [p for p in shards if not p.is_file()]
+    if missing:
+        raise BadEvalData(f"--dataset {spec}: {len(missing)} of {len(shards)} shards missing (first: {missing[0]}); "
+                          "fix nshards.txt / sizes.json or fetch the shards again")
+    samples = 0
+    for p in shards:
+        try:
+            samples += sum(1 for _ in tar_keys(p))
+        except UNREADABLE as e:
+            raise BadEvalData(f"--dataset {spec}: {p} is not a readable tar ({e.__class__.__name__}: {e}; "
+                              f"{p.stat().st_size} bytes): download or build it again (python -m data_tools "
+                              "verify checks shard folders)") from None
+    if not samples:
+        raise BadEvalData(f"--dataset {spec}: its {len(shards)} shard(s) hold no samples ({shards[0]}, ...)")
 
 
 @dataclass
 class EvalSample:
     key: str
-    image: Image.Image
+    image: Image.Image | None  # None: undecodable, skipped and counted
     captions: list[str]
     label: int | None
 
@@ -64,7 +87,7 @@ class EvalDataset:
         if self.layout == "folder":
             for i, (path, label) in enumerate(self.files):
                 if mine(i):
-                    yield i, EvalSample(path.stem, Image.open(path).convert("RGB"), [], label)
+                    yield i, EvalSample(path.stem, _rgb(Image.open, path), [], label)
             return
         if self.layout == "hf":
             ds, image_col, label_col, caption_col = self.hf
@@ -74,7 +97,7 @@ class EvalDataset:
                 row = ds[i]
                 caps = row[caption_col] if caption_col else []
                 caps = [caps] if isinstance(caps, str) else list(caps)
-                yield i, EvalSample(str(i), row[image_col].convert("RGB"), caps,
+                yield i, EvalSample(str(i), _rgb(lambda im: im, row[image_col]), caps,
                                     int(row[label_col]) if label_col else None)
             return
         i = -1
@@ -86,11 +109,19 @@ class EvalDataset:
                 i += 1
                 if not mine(i):
                     continue
-                image = Image.open(io.BytesIO(raw[ext])).convert("RGB")
+                image = _rgb(Image.open, io.BytesIO(raw[ext]))
                 captions = []
                 if "txt" in raw:
-                    captions = [c for c in raw["txt"].decode("utf-8").splitlines() if c.strip()]
+                    captions = [c for c in raw["txt"].decode("utf-8", "replace").splitlines() if c.strip()]
                 yield i, EvalSample(raw["__key__"], image, captions, parse_label(raw))
+
+
+def _rgb(open_image, source) -> Image.Image | None:
+    """``open_image(source)`` decoded to RGB, or None when it does not decode (the loop skips and counts it)."""
+    try:
+        return open_image(source).convert("RGB")
+    except Exception:  # PIL raises many kinds for bad bytes
+        return None
 
 
 def _read_lines(p: Path) -> list[str]:
@@ -136,7 +167,22 @@ def _hf_dataset(spec: str, name: str | None) -> EvalDataset:
     return EvalDataset(name or default, [], classnames, None, "hf", hf=(ds, image_col, label_col, caption_col))
 
 
+def _nshards(split: Path) -> int:
+    text = (split / "nshards.txt").read_text(errors="replace").strip()
+    if not text.isdigit() or int(text) < 1:
+        raise BadEvalData(f"{split / 'nshards.txt'} holds {text[:40]!r}: it must be the number of tars "
+                          "(0.tar, 1.tar, ...) in that folder")
+    return int(text)
+
+
 def load_dataset(spec: str, name: str | None = None) -> EvalDataset:
+    ds = _load_dataset(spec, name)
+    if ds.layout in ("wds", "shards"):
+        check_shards(spec, ds.shards)
+    return ds
+
+
+def _load_dataset(spec: str, name: str | None = None) -> EvalDataset:
     if spec.startswith("hf:"):
         return _hf_dataset(spec, name)
     kind = None
@@ -158,7 +204,7 @@ def load_dataset(spec: str, name: str | None = None) -> EvalDataset:
     if kind == "folder":
         return _image_folder(root, name)
     if kind == "wds":
-        n = int((root / "test" / "nshards.txt").read_text().strip())
+        n = _nshards(root / "test")
         templates_file = root / "zeroshot_classification_templates.txt"
         return EvalDataset(
             name=name or f"{root.resolve().name}-test",
@@ -195,7 +241,8 @@ def load_splits(spec: str, need_train: bool = True) -> tuple[EvalDataset | None,
                 load_dataset(str(root / "test"), name=name))
     if (root / "train" / "nshards.txt").is_file() and (root / "test" / "nshards.txt").is_file():
         test = load_dataset("wds:" + str(root))
-        n = int((root / "train" / "nshards.txt").read_text().strip())
+        n = _nshards(root / "train")
+        check_shards(spec, [root / "train" / f"{i}.tar" for i in range(n)])
         train = EvalDataset(f"{root.resolve().name}-train", [root / "train" / f"{i}.tar" for i in range(n)],
                             test.classnames, test.templates, "wds")
         return (train if need_train else None), test

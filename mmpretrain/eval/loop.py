@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ class EvalContext:
     recall_k: tuple[int, ...] = (1, 5, 10)
     rank: int = 0
     world_size: int = 1
+    skipped: Counter = field(default_factory=Counter, compare=False)  # this rank's skipped samples, by reason
 
 
 def gather(obj: Any, world_size: int) -> list[Any]:
@@ -56,17 +58,25 @@ class _Share(IterableDataset):
         for i, s in self.ds.indexed(self.rank, self.world, part=wid, parts=nw):
             if self.labelled_only and s.label is None:
                 continue
+            if s.image is None:
+                yield i, None, "undecodable_image", None  # counted by batches(), not evaluated
+                continue
             yield i, self.preprocess(s.image), s.captions, s.label
 
 
 def _collate(rows):
+    bad = Counter(r[2] for r in rows if r[1] is None)
+    rows = [r for r in rows if r[1] is not None]
+    if not rows:
+        return torch.empty(0, dtype=torch.long), None, [], [], bad
     idx, images, captions, labels = zip(*rows)
-    return torch.tensor(idx), torch.stack(images), list(captions), list(labels)
+    return torch.tensor(idx), torch.stack(images), list(captions), list(labels), bad
 
 
 def batches(ds, preprocess, ctx: EvalContext, labelled_only: bool = False,
             desc: str = "") -> Iterator[tuple[torch.Tensor, torch.Tensor, list[list[str]], list[int | None]]]:
-    """``(indices, images, captions, labels)`` batches of this rank's share, with a progress bar on rank 0."""
+    """``(indices, images, captions, labels)`` batches of this rank's share, with a progress bar on rank 0.
+    Undecodable images are left out and counted in ``ctx.skipped``."""
     # fork (Linux's default) even inside a process that was itself spawned, where workers would
     # otherwise re-import everything (~9 s each here)
     workers = ctx.num_workers
@@ -76,9 +86,11 @@ def batches(ds, preprocess, ctx: EvalContext, labelled_only: bool = False,
     n = None if labelled_only else ds.num_samples()
     total = math.ceil(n / ctx.world_size) if n is not None else None
     with tqdm(total=total, desc=desc or ds.name, unit="img", disable=ctx.rank != 0, leave=False) as bar:
-        for b in loader:
-            yield b
-            bar.update(len(b[0]))
+        for *b, bad in loader:
+            ctx.skipped.update(bad)
+            bar.update(len(b[0]) + sum(bad.values()))
+            if len(b[0]):
+                yield tuple(b)
 
 
 def gather_in_order(parts: dict[str, Any], index: torch.Tensor, world_size: int) -> tuple[dict[str, Any], torch.Tensor]:

@@ -64,7 +64,8 @@ def run(model, preprocess, tokenizer, ds: EvalDataset, ctx: EvalContext) -> dict
     out, _ = gather_in_order(local, cat_or_empty(index, torch.long), ctx.world_size)
     per_image = [len(t) for t in out["texts"]]
     if out["images"] is None or not sum(per_image):
-        raise ValueError(f"{ds.name}: no captions for retrieval")
+        raise ValueError(f"{ds.name}: no captions for retrieval: its samples need a txt member (one caption "
+                         "per line); zeroshot_classification, linear_probe, knn and clustering need none")
     owner = torch.tensor([i for i, n in enumerate(per_image) for _ in range(n)])
     texts = torch.cat([t for t in out["texts"] if len(t)])
     image_features = out["images"]

@@ -75,7 +75,8 @@ def classification_chance(num_classes: int) -> dict[str, float]:
 @torch.no_grad()
 def run(model, preprocess, tokenizer, ds: EvalDataset, ctx: EvalContext) -> dict:
     if not ds.classnames:
-        raise ValueError(f"{ds.name}: no class names (classnames.txt or the manifest's classnames)")
+        raise ValueError(f"{ds.name}: no class names for zero-shot classification: add classnames.txt beside "
+                         "test/ (one name per line, in label order) or build the data with class labels")
     templates = ds.templates or list(DEFAULT_TEMPLATES)
     # class embeddings split across ranks, gathered in class order: (C, D) -> (D, C)
     w = split_map(lambda names: build_classifier(model, tokenizer, names, templates, ctx.device).T, ds.classnames,
