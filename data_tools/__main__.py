@@ -34,21 +34,28 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, default=None, help="demo/folder: use only the first N items")
     b.add_argument("--overwrite", action="store_true", help="replace an existing dataset in --out")
 
-    e = sub.add_parser("embed", help="store frozen sentence-transformer caption embeddings in the shards")
-    e.add_argument("dir", help="dataset folder, or a folder of split folders (train/, test/)")
+    e = sub.add_parser("embed", help="frozen sentence-transformer caption embeddings, stored beside the shards "
+                       "(no shard is rewritten)")
+    e.add_argument("dir", help="dataset folder, a folder of split folders (train/, test/), or a shard pattern "
+                   "(local or remote, with a sizes.json beside the shards)")
+    e.add_argument("--out", default=None, help="embedding folder (default: the dataset folder; one subfolder per "
+                   "split folder)")
     e.add_argument("--model", required=True, help="sentence-transformer Hub ID or local folder")
-    e.add_argument("--overwrite", action="store_true", help="replace embeddings of another model")
+    e.add_argument("--overwrite", action="store_true", help="embed every shard again, also with another model "
+                   "than the one recorded")
     e.add_argument("--batch-size", type=int, default=256)
     e.add_argument("--device", default=None, help="cpu, cuda, ... (default: best available)")
 
     v = sub.add_parser("verify", help="read every sample back and check it against sizes.json and the manifest")
     v.add_argument("dir")
+    v.add_argument("--embeddings", default=None, help="embedding folder (embed --out); default: beside the shards")
     v.add_argument("--strict", action="store_true", help="exit 1 on any problem (default: only on missing "
                    "shards, unreadable tars and count mismatches)")
 
     s = sub.add_parser("stats", help="print sample counts, caption and image statistics as JSON; "
                        "write DIR/stats.png")
     s.add_argument("dir")
+    s.add_argument("--embeddings", default=None, help="embedding folder (embed --out); default: beside the shards")
     return p
 
 
@@ -70,14 +77,14 @@ def _run(args) -> int:
     if args.cmd == "embed":
         from data_tools.embed import embed
 
-        print(json.dumps(embed(args.dir, args.model, overwrite=args.overwrite, batch_size=args.batch_size,
+        print(json.dumps(embed(args.dir, args.model, out=args.out, overwrite=args.overwrite, batch_size=args.batch_size,
                                device=args.device), indent=2))
         return 0
     if args.cmd == "verify":
         from data_tools.inspect import FATAL, verify
 
         failed = False
-        for folder, problems in verify(args.dir).items():
+        for folder, problems in verify(args.dir, args.embeddings).items():
             total = sum(len(v) for v in problems.values())
             print(f"{folder}: {'ok' if not total else f'{total} problem(s)'}")
             for kind, lines in sorted(problems.items()):
@@ -88,7 +95,7 @@ def _run(args) -> int:
         return 1 if failed else 0
     from data_tools.inspect import stats
 
-    print(json.dumps(stats(args.dir), indent=2))
+    print(json.dumps(stats(args.dir, args.embeddings), indent=2))
     return 0
 
 

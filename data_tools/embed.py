@@ -1,27 +1,32 @@
-"""``embed DIR --model NAME_OR_PATH``: store each caption's frozen embedding as ``{key}.emb.npy``.
+"""``embed SHARDS --model NAME_OR_PATH [--out EMB_DIR]``: each caption's frozen embedding, stored
+**beside** the shards (:mod:`mmpretrain.data.sidecar`: ``EMB_DIR/NAME.tar.emb.npy`` float16
+L2-normalised rows in the shard's sample order, ``NAME.tar.keys.txt``, one ``embeddings.json``).
 
-float16, L2-normalised, shape ``(E,)``. Each shard is rewritten through a temporary file and an
-atomic rename, so an interrupted run leaves every shard either old or new, never half-written; a
-re-run skips shards already embedded with the same model (``.embed/SHARD.json``). Under
-``accelerate launch`` each rank embeds every world-th shard; rank 0 records the result in the manifest.
+No tar is ever written: the shards may be read-only or remote. ``EMB_DIR`` defaults to the dataset
+folder (when it is local); with several split folders (``train/``, ``test/``) ``--out`` gets one
+subfolder each. Every file is written through a temporary file and a rename; a re-run skips shards
+already embedded with the same model whose shard is unchanged (``EMB_DIR/.embed/NAME.tar.json``:
+model, count, first key, the shard's size and time). Under ``accelerate launch`` each rank embeds
+every world-th shard; rank 0 writes ``embeddings.json`` (and, when ``EMB_DIR`` is the dataset folder,
+the manifest's ``embedding`` record).
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from pathlib import Path
 
 import numpy as np
-import webdataset as wds
 
-from mmpretrain.data.manifest import MANIFEST, SIZES, read_manifest, read_sizes, write_json_atomic
+from mmpretrain.data.manifest import MANIFEST, SIZES, read_manifest, write_json_atomic
+from mmpretrain.data.sidecar import INDEX, read_index, shard_bytes, write_shard
+from mmpretrain.data.sources import Source, resolve_source, shard_path
 from mmpretrain.data.tar import UNREADABLE, read_tar
 from mmpretrain.hub_cache import require_model
 from mmpretrain.launch import current_process
 
-MARKERS = ".embed"  # per-shard completion records: {model, dim, count}
+MARKERS = ".embed"  # per-shard completion records
 
 
 class EmbedError(RuntimeError):
@@ -48,80 +53,88 @@ def _load_encoder(model: str, device: str | None):
     return enc
 
 
-def check_model(folder: Path, model: str, overwrite: bool) -> None:
-    recorded = (read_manifest(folder).get("embedding") or {}).get("model")
+def targets(path: str, out: str | Path | None) -> list[tuple[Source, Path, Path | None]]:
+    """``(source, embedding folder, dataset folder or None)`` for each dataset ``path`` names: a local
+    dataset folder or a folder of split folders, or a shard pattern (local or remote; needs ``--out``
+    unless its folder is local)."""
+    local = Path(path.removeprefix("file://"))
+    try:
+        if local.is_dir():
+            folders = dataset_folders(local)
+            out_of = (lambda f: Path(out) / f.name) if out and len(folders) > 1 else (lambda f: Path(out or f))
+            return [(resolve_source(str(f)), out_of(f), f) for f in folders]
+        source = resolve_source(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise EmbedError(str(e)) from None
+    folder = Path(os.path.dirname(shard_path(source.urls[0])))
+    if out is None and not folder.is_dir():
+        raise EmbedError(f"{path}: the shards are not in a local folder; give --out EMB_DIR for the embeddings")
+    return [(source, Path(out) if out else folder, None)]
+
+
+def check_model(emb_dir: Path, dataset: Path | None, model: str, overwrite: bool) -> None:
+    index = read_index(str(emb_dir)) or {}
+    recorded = index.get("model") or (
+        (read_manifest(dataset).get("embedding") or {}).get("model") if dataset == emb_dir else None)
     if recorded and recorded != model and not overwrite:
-        raise EmbedError(
-            f"{folder / MANIFEST} records embeddings from {recorded!r}; embedding with {model!r} would mix "
-            "two spaces. Pass --overwrite to replace them"
-        )
+        where = emb_dir / (INDEX if index else MANIFEST)
+        raise EmbedError(f"{where} records embeddings from {recorded!r}; embedding with {model!r} would mix "
+                         "two spaces. Pass --overwrite to replace them")
 
 
-def _marker(folder: Path, shard: str) -> Path:
-    return folder / MARKERS / (shard + ".json")
+def _marker(emb_dir: Path, name: str) -> Path:
+    return emb_dir / MARKERS / (name + ".json")
 
 
-def _fingerprint(path: Path) -> dict:
-    st = path.stat()
-    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+def _fingerprint(url: str) -> dict:
+    path = url.removeprefix("file://")
+    mtime = os.stat(path).st_mtime_ns if os.path.isfile(path) else None
+    return {"bytes": shard_bytes(url), "mtime_ns": mtime}
 
 
-def _shard_done(folder: Path, shard: str, model: str) -> bool:
-    """Embedded with ``model`` -- and the shard is still the one that was embedded (a rebuilt or replaced
-    shard has another size or time: its marker is stale)."""
-    p, shard_path = _marker(folder, shard), folder / shard
-    if not p.is_file() or not shard_path.is_file():
-        return False
+def _shard_done(emb_dir: Path, url: str, model: str) -> dict | None:
+    """The shard's completion record if it was embedded with ``model`` into ``emb_dir`` and is still the
+    shard that was embedded (a rebuilt shard has another size or time) and its files are there."""
+    name = os.path.basename(shard_path(url))
     try:
-        done = json.loads(p.read_text())
-    except ValueError:
-        return False
-    return done.get("model") == model and {k: done.get(k) for k in ("bytes", "mtime_ns")} == _fingerprint(shard_path)
+        done = json.loads(_marker(emb_dir, name).read_text())
+    except (OSError, ValueError):
+        return None
+    fresh = done.get("model") == model and {k: done.get(k) for k in ("bytes", "mtime_ns")} == _fingerprint(url)
+    files = all((emb_dir / (name + s)).is_file() for s in (".emb.npy", ".keys.txt"))
+    return done if fresh and files else None
 
 
-def _read_shard(folder: Path, name: str, expected: int) -> tuple[list[dict], list[str]]:
-    """The shard's samples (members copied through untouched, any old embedding dropped) and their
-    captions in sample order."""
-    samples, captions = [], []
+def _read_captions(url: str, expected: int) -> tuple[list[str], list[str | None]]:
+    """The shard's keys and captions in sample order (only the ``txt`` members are read)."""
+    keys, captions = [], []
     try:
-        for s in read_tar(folder / name):
-            s.pop("emb.npy", None)  # replaced
-            samples.append(s)
-            captions.append(s["txt"].decode("utf-8") if "txt" in s else None)
+        for s in read_tar(url, only=("txt",)):
+            keys.append(s["__key__"])
+            try:
+                captions.append(s["txt"].decode("utf-8") if "txt" in s else None)
+            except UnicodeDecodeError:
+                captions.append(None)
     except UNREADABLE as e:
-        raise EmbedError(f"{folder / name}: unreadable after {len(samples)} samples ({e.__class__.__name__}: {e}); "
+        raise EmbedError(f"{url}: unreadable after {len(keys)} samples ({e.__class__.__name__}: {e}); "
                          "run `data_tools verify` and rebuild the shard") from None
-    if len(samples) != expected or any(c is None for c in captions):
-        raise EmbedError(f"{folder / name}: {len(samples)} samples ({sum(c is None for c in captions)} without a "
-                         f"caption), sizes.json says {expected}; run `data_tools verify` and rebuild the shard")
-    return samples, captions
+    if len(keys) != expected:
+        raise EmbedError(f"{url}: {len(keys)} samples, sizes.json says {expected}; run `data_tools verify` "
+                         "and rebuild the shard or its sizes.json")
+    return keys, captions
 
 
-def _write_shard(folder: Path, name: str, model: str, samples: list[dict], embs: np.ndarray) -> int:
-    """Rewrite one shard with ``{key}.emb.npy`` in each sample (webdataset's writer, through .tmp + rename)."""
-    tmp = folder / (name + ".tmp")
-    with wds.TarWriter(str(tmp), encoder=False) as out:
-        for s, e in zip(samples, embs):
-            buf = io.BytesIO()
-            np.save(buf, e)
-            out.write({**s, "emb.npy": buf.getvalue()})
-    os.replace(tmp, folder / name)
-    write_json_atomic(_marker(folder, name), {"model": model, "dim": int(embs.shape[1]), "count": len(samples),
-                                              **_fingerprint(folder / name)})
-    return len(samples)
-
-
-def embed_shards(folder: Path, names: list[str], sizes: dict[str, int], model: str, encoder, batch_size: int,
+def embed_shards(source: Source, emb_dir: Path, todo: list[int], model: str, encoder, batch_size: int,
                  group: int = 8192) -> int:
-    """Embed shards in groups of about ``group`` captions: one ``encode`` call per group (so
-    sentence-transformers sorts a large set by length, as a single call over everything would), with
-    the next group read and the previous one written by a background thread while it encodes."""
+    """Embed the source's shards ``todo`` (indices) in groups of about ``group`` captions: one ``encode``
+    call per group (so sentence-transformers sorts a large set by length, as one call over everything
+    would), with the next group read and the previous one written by a background thread meanwhile."""
     from concurrent.futures import ThreadPoolExecutor
 
     groups, cur, n = [], [], 0
-    for name in names:
-        cur.append(name)
-        n += sizes[name]
+    for k in todo:
+        cur.append(k)
+        n += source.sizes[k]
         if n >= group:
             groups.append(cur)
             cur, n = [], 0
@@ -129,15 +142,21 @@ def embed_shards(folder: Path, names: list[str], sizes: dict[str, int], model: s
         groups.append(cur)
     if not groups:
         return 0
+    (emb_dir / MARKERS).mkdir(parents=True, exist_ok=True)
 
     def read(g):
-        return [(name, *_read_shard(folder, name, sizes[name])) for name in g]
+        return [(source.urls[k], *_read_captions(source.urls[k], source.sizes[k])) for k in g]
 
     def write(shards, embs):
         i = 0
-        for name, samples, captions in shards:
-            _write_shard(folder, name, model, samples, embs[i:i + len(captions)])
-            i += len(captions)
+        for url, keys, captions in shards:
+            rows = embs[i:i + len(keys)]
+            i += len(keys)
+            name = os.path.basename(shard_path(url))
+            write_shard(emb_dir, name, keys, rows)
+            write_json_atomic(_marker(emb_dir, name), {
+                "model": model, "dim": int(rows.shape[1]), "count": len(keys), "first_key": keys[0] if keys else None,
+                "no_caption": sum(c is None for c in captions), **_fingerprint(url)})
 
     total = 0
     with ThreadPoolExecutor(max_workers=2) as io_pool:
@@ -148,54 +167,62 @@ def embed_shards(folder: Path, names: list[str], sizes: dict[str, int], model: s
             if k + 1 < len(groups):
                 next_read = io_pool.submit(read, groups[k + 1])
             captions = [c for _, _, caps in shards for c in caps]
-            embs = encoder.encode(captions, batch_size=batch_size, normalize_embeddings=True,
-                                  convert_to_numpy=True).astype(np.float16)
+            present = [c for c in captions if c is not None]
+            enc = encoder.encode(present, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True)
+            # a sample without a caption keeps its row (rows follow the shard's order) as NaN: the
+            # stream skips it for its missing caption before it would read the row
+            embs = np.full((len(captions), enc.shape[1]), np.nan, dtype=np.float16)
+            embs[[j for j, c in enumerate(captions) if c is not None]] = enc.astype(np.float16)
             if pending is not None:
                 pending.result()
             pending = io_pool.submit(write, shards, embs)
-            total += len(captions)
+            total += len(present)
         pending.result()
     return total
 
 
-def embed(path: str | Path, model: str, *, overwrite: bool = False, batch_size: int = 256,
-          device: str | None = None) -> list[dict]:
-    """Embed every dataset folder under ``path``; under ``accelerate launch`` each rank takes every
-    world-th shard. A re-run skips shards already embedded with ``model``."""
-    folders = dataset_folders(path)
-    for folder in folders:  # refuse before loading anything
-        check_model(folder, model, overwrite)
-    try:  # before --overwrite drops the earlier records: a misspelt --model must not cost them
+def embed(path: str | Path, model: str, *, out: str | Path | None = None, overwrite: bool = False,
+          batch_size: int = 256, device: str | None = None) -> list[dict]:
+    """Embed every dataset ``path`` names into its embedding folder (``out``, default: the dataset
+    folder); under ``accelerate launch`` each rank takes every world-th shard. A re-run skips shards
+    already embedded with ``model``; ``overwrite`` embeds every shard again (and may change the model)."""
+    jobs = targets(str(path), out)
+    for _, emb_dir, dataset in jobs:  # refuse before loading anything
+        check_model(emb_dir, dataset, model, overwrite)
+        if emb_dir.exists() and not emb_dir.is_dir():
+            raise EmbedError(f"--out {emb_dir} is a file, not a folder")
+    try:  # a misspelt --model is refused before anything is written
         require_model(model, "--model")
     except ValueError as e:
         raise EmbedError(str(e)) from None
     proc = current_process()
     rank, world = proc.rank, proc.world_size
-    if overwrite and rank == 0:
-        for folder in folders:
-            for p in (folder / MARKERS).glob("*.json"):
-                p.unlink()
-    proc.barrier()
     encoder = None
     results = []
-    for folder in folders:
-        sizes = read_sizes(folder)
-        names = sorted(sizes)
-        todo = [n for k, n in enumerate(names) if k % world == rank and not _shard_done(folder, n, model)]
+    for source, emb_dir, _ in jobs:
+        todo = [k for k, url in enumerate(source.urls)
+                if k % world == rank and (overwrite or not _shard_done(emb_dir, url, model))]
         if todo and encoder is None:
             encoder = _load_encoder(model, device or proc.device)
-        n = embed_shards(folder, todo, sizes, model, encoder, batch_size)
-        results.append({"folder": str(folder), "embedded": n, "shards": len(todo)})
+        n = embed_shards(source, emb_dir, todo, model, encoder, batch_size)
+        results.append({"folder": str(emb_dir), "embedded": n, "shards": len(todo)})
     proc.barrier()
     if rank == 0:
-        for folder, res in zip(folders, results):
-            names = sorted(read_sizes(folder))
-            markers = [json.loads(_marker(folder, n).read_text()) for n in names if _shard_done(folder, n, model)]
-            if len(markers) != len(names):
-                raise EmbedError(f"{folder}: {len(names) - len(markers)} shard(s) not embedded; run embed again")
-            manifest = read_manifest(folder)
-            manifest["embedding"] = {"model": model, "dim": markers[0]["dim"], "normalized": True,
-                                     "dtype": "float16", "count": sum(m["count"] for m in markers)}
-            write_json_atomic(folder / MANIFEST, manifest)
-            res["dim"] = markers[0]["dim"]
+        for (source, emb_dir, dataset), res in zip(jobs, results):
+            records = [_shard_done(emb_dir, url, model) for url in source.urls]
+            if not all(records):
+                raise EmbedError(f"{emb_dir}: {records.count(None)} shard(s) not embedded; run embed again")
+            dim = records[0]["dim"]
+            index = {"model": model, "dim": dim, "normalized": True, "dtype": "float16",
+                     "count": sum(r["count"] for r in records),
+                     "shards": {os.path.basename(shard_path(url)): {k: r[k] for k in ("count", "bytes", "first_key")}
+                                for url, r in zip(source.urls, records)}}
+            write_json_atomic(emb_dir / INDEX, index)
+            if dataset is not None and dataset == emb_dir:  # our own dataset folder: its manifest says so too
+                manifest = read_manifest(dataset)
+                manifest["embedding"] = {k: index[k] for k in ("model", "dim", "normalized", "dtype", "count")}
+                manifest["embedding"]["layout"] = "sidecar"
+                write_json_atomic(dataset / MANIFEST, manifest)
+            res["dim"] = dim
+    proc.barrier()
     return results

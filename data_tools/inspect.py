@@ -13,26 +13,42 @@ from PIL import Image
 from data_tools.embed import dataset_folders
 from mmpretrain.data.decode import IMAGE_EXTS
 from mmpretrain.data.manifest import read_manifest, read_sizes
+from mmpretrain.data.sidecar import INDEX, SourceEmbeddings, read_index
 from mmpretrain.data.tar import UNREADABLE, read_tar
 
 # problems that make the folder unusable as listed (exit 1 even without --strict)
 FATAL = {"missing_shard", "unreadable_tar", "count_mismatch"}
 
 
-def verify_folder(folder: Path) -> dict[str, list[str]]:
-    """Problems found in one dataset folder, by kind (empty = valid)."""
+def sidecars(folder: Path, emb_dir: str | Path | None) -> SourceEmbeddings | None:
+    """The embedding folder to check with ``folder``: ``emb_dir``, else the folder itself when it holds
+    an ``embeddings.json``."""
+    index = read_index(str(emb_dir or folder))
+    if emb_dir is not None and index is None:
+        raise FileNotFoundError(f"--embeddings {emb_dir}: no readable {INDEX} in it")
+    return SourceEmbeddings(str(emb_dir or folder), index) if index else None
+
+
+def verify_folder(folder: Path, emb_dir: str | Path | None = None) -> dict[str, list[str]]:
+    """Problems found in one dataset folder (and its caption embeddings), by kind (empty = valid)."""
     problems: dict[str, list[str]] = defaultdict(list)
     sizes = read_sizes(folder)
-    emb = read_manifest(folder).get("embedding") or {}
+    side = sidecars(folder, emb_dir)
+    emb = {} if side else read_manifest(folder).get("embedding") or {}  # in-tar embeddings to check
     seen: dict[str, str] = {}
     for name, expected in sorted(sizes.items()):
         path = folder / name
         if not path.is_file():
             problems["missing_shard"].append(f"{path}: listed in sizes.json but missing")
             continue
+        rows = side.for_shard(str(path), expected) if side else None
+        if rows is not None and rows.reason:
+            problems["bad_embedding_file"].append(f"{rows.where}: {rows.reason}")
         count = 0
         try:
             for s in read_tar(path):
+                if rows is not None and rows.rows is not None:
+                    _check_row(rows, count, s["__key__"], path, problems)
                 count += 1
                 _check_sample(s, path, emb, seen, problems)
         except UNREADABLE as e:
@@ -40,6 +56,15 @@ def verify_folder(folder: Path) -> dict[str, list[str]]:
         if count != expected:
             problems["count_mismatch"].append(f"{path}: {count} samples, sizes.json says {expected}")
     return dict(problems)
+
+
+def _check_row(rows, pos: int, key: str, path: Path, problems: dict[str, list[str]]) -> None:
+    v = rows.row(pos, key)
+    if v is None:
+        problems["missing_embedding"].append(f"{path.name}:{key}: the sidecar's key at position {pos} is "
+                                             f"{rows.keys[pos] if pos < len(rows.keys) else None!r}")
+    elif np.isfinite(v).all() and abs(float(np.linalg.norm(v.astype(np.float32))) - 1) > 1e-2:
+        problems["bad_embedding"].append(f"{path.name}:{key}: not L2-normalised")
 
 
 def _check_sample(s: dict, path: Path, emb: dict, seen: dict[str, str], problems: dict[str, list[str]]) -> None:
@@ -78,12 +103,16 @@ def _check_sample(s: dict, path: Path, emb: dict, seen: dict[str, str], problems
                 problems["bad_embedding"].append(f"{key}: not L2-normalised")
 
 
-def verify(path: str | Path) -> dict[str, dict[str, list[str]]]:
-    return {str(f): verify_folder(f) for f in dataset_folders(path)}
+def verify(path: str | Path, embeddings: str | Path | None = None) -> dict[str, dict[str, list[str]]]:
+    """Every dataset folder under ``path``; ``embeddings``: the embedding folder (``embed --out``; with
+    several split folders, one subfolder each), default: beside the shards."""
+    folders = dataset_folders(path)
+    return {str(f): verify_folder(f, e) for f, e in zip(folders, _emb_dirs(folders, embeddings))}
 
 
-def stats_folder(folder: Path, plot: bool = True) -> dict:
+def stats_folder(folder: Path, plot: bool = True, emb_dir: str | Path | None = None) -> dict:
     sizes = read_sizes(folder)
+    side = sidecars(folder, emb_dir)
     words, widths, heights, labels = [], [], [], Counter()
     with_emb = 0
     unreadable = []
@@ -111,6 +140,9 @@ def stats_folder(folder: Path, plot: bool = True) -> dict:
         return {"min": int(min(xs)), "p5": float(q[0]), "median": float(q[1]), "mean": round(float(np.mean(xs)), 2),
                 "p95": float(q[2]), "max": int(max(xs))}
 
+    if side is not None:  # rows of the sidecar files that match their shard
+        with_emb += sum(int(r.get("count", 0)) for n, r in side.index["shards"].items()
+                        if n in sizes and not side.for_shard(str(folder / n), sizes[n]).reason)
     out = {
         "folder": str(folder),
         "samples": len(words),
@@ -151,5 +183,12 @@ def _plot(folder: Path, words: list[int], widths: list[int], heights: list[int])
     return path
 
 
-def stats(path: str | Path) -> list[dict]:
-    return [stats_folder(f) for f in dataset_folders(path)]
+def _emb_dirs(folders: list[Path], embeddings: str | Path | None) -> list[Path | None]:
+    if embeddings is None:
+        return [None] * len(folders)
+    return [Path(embeddings) / f.name if len(folders) > 1 else Path(embeddings) for f in folders]
+
+
+def stats(path: str | Path, embeddings: str | Path | None = None) -> list[dict]:
+    folders = dataset_folders(path)
+    return [stats_folder(f, emb_dir=e) for f, e in zip(folders, _emb_dirs(folders, embeddings))]

@@ -61,6 +61,9 @@ class DataConfig(_Strict):
     mode: Literal["epoch", "resampled"] = Field(
         "epoch", description="epoch: every sample once per epoch; resampled: shards drawn with replacement by "
         "data.weights, an epoch is data.num_samples samples")
+    embeddings: str | None = Field(None, description="caption embedding folder(s) written by `data_tools embed "
+                                   "--out`, one per '::' source of data.train in the same order (default: "
+                                   "beside each source's shards, when an embeddings.json is there)")
     weights: list[float] | None = Field(None, description="resampled mode: one sampling weight per '::' source")
     num_samples: int | None = Field(None, gt=0, description="resampled mode: samples per epoch (default: the "
                                     "dataset's size); epoch mode: leave unset, an epoch is the whole dataset")
@@ -119,7 +122,8 @@ class TargetsConfig(_Strict):
         description="frozen sentence-transformer for similarity targets (Hub ID or local folder)",
     )
     source: Literal["auto", "shards", "online"] = Field(
-        "auto", description="shards: stored {key}.emb.npy; online: encode captions each step; auto: shards if present"
+        "auto", description="shards: the stored caption embeddings (beside the shards, or in-tar {key}.emb.npy); online: encode "
+        "captions each step; auto: shards if present"
     )
 
 

@@ -57,7 +57,7 @@ step "build $src -> $data"
 "$python" -m data_tools build "$src" --out "$data" --image-size "$size" --workers "$workers" "${build_args[@]}"
 step "verify $data"
 "$python" -m data_tools verify "$data"
-step "embed $data with $text_model"
+step "embed $data with $text_model (sidecar files beside the shards; no shard is rewritten)"
 "$python" -m data_tools embed "$data" --model "$text_model"
 step "train $config -> $run"
 if [ "$acc" = none ]; then

@@ -51,3 +51,31 @@ def openmoji(tmp_path_factory) -> Path:
     r = run_cli("data_tools", "embed", str(out), "--model", TEXT_MODEL)
     assert r.returncode == 0, r.stderr
     return out
+
+
+def in_tar_copy(src: Path, dst: Path) -> Path:
+    """A copy of a sidecar-embedded dataset folder in the earlier layout: each sample's embedding as an
+    in-tar ``{key}.emb.npy`` member, no sidecar files (datasets embedded before the sidecars look so)."""
+    import io
+    import json
+    import shutil
+
+    import numpy as np
+    import webdataset as wds
+
+    from mmpretrain.data.tar import read_tar
+
+    dst.mkdir(parents=True)
+    index = json.loads((src / "embeddings.json").read_text())
+    for name in index["shards"]:
+        rows = np.load(src / f"{name}.emb.npy")
+        with wds.TarWriter(str(dst / name), encoder=False) as w:
+            for sample, row in zip(read_tar(src / name), rows):
+                buf = io.BytesIO()
+                np.save(buf, row)
+                w.write({**sample, "emb.npy": buf.getvalue()})
+    shutil.copy(src / "sizes.json", dst / "sizes.json")
+    manifest = json.loads((src / "manifest.json").read_text())
+    manifest["embedding"].pop("layout", None)
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    return dst

@@ -1,6 +1,5 @@
 """data_tools on real packaged data (OpenMoji), through the public commands."""
 
-import io
 import json
 
 import numpy as np
@@ -17,15 +16,20 @@ def test_build_layout(openmoji):
         assert sum(sizes.values()) == manifest["counts"]["samples"] > 0
         assert manifest["skipped"] == {}
         assert manifest["embedding"] == {"model": TEXT_MODEL, "dim": 384, "normalized": True, "dtype": "float16",
-                                         "count": sum(sizes.values())}
+                                         "count": sum(sizes.values()), "layout": "sidecar"}
+        index = json.loads((openmoji / split / "embeddings.json").read_text())
+        assert {k: index[k] for k in manifest["embedding"] if k != "layout"} == {
+            k: v for k, v in manifest["embedding"].items() if k != "layout"}
         for name, n in sizes.items():
             samples = list(read_tar(openmoji / split / name))
             assert len(samples) == n
-            s = samples[0]
-            assert {"png", "txt", "json", "emb.npy"} <= set(s)
-            emb = np.load(io.BytesIO(s["emb.npy"]))
-            assert emb.dtype == np.float16 and emb.shape == (384,)
-            assert abs(np.linalg.norm(emb.astype(np.float32)) - 1) < 1e-2
+            assert {"png", "txt", "json"} <= set(samples[0]) and "emb.npy" not in samples[0]  # tars untouched
+            rows = np.load(openmoji / split / f"{name}.emb.npy")
+            keys = (openmoji / split / f"{name}.keys.txt").read_text().splitlines()
+            assert rows.dtype == np.float16 and rows.shape == (n, 384) and keys == [s["__key__"] for s in samples]
+            assert np.allclose(np.linalg.norm(rows.astype(np.float32), axis=1), 1, atol=1e-2)
+            assert index["shards"][name] == {"count": n, "bytes": (openmoji / split / name).stat().st_size,
+                                             "first_key": keys[0]}
     # clip_benchmark's wds layout for the labelled held-out split
     classes = (openmoji / "classnames.txt").read_text().split("\n")[:-1]
     assert len(classes) >= 2

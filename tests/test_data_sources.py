@@ -244,10 +244,24 @@ def test_build_and_embed_on_two_ranks(tmp_path, emoji_images):
         assert r.returncode == 0, r.stderr[:4000] + "\n...\n" + r.stderr[-1500:]
     single = tmp_path / "single"
     build(str(tsv), single, image_size=32, shard_size=200, workers=1)
-    assert [c[1:] for c in shard_content(out)] == [c[1:] for c in shard_content(single)]
+    assert [c[1:] for c in shard_content(out)] == [c[1:] for c in shard_content(single)]  # embed left the tars
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["embedding"]["count"] == manifest["counts"]["samples"] == 950
     assert run_cli("data_tools", "verify", str(out), "--strict").returncode == 0
+    # the sidecars 2 ranks wrote equal one process's (rows to fp16 rounding: other batches, other padding)
+    import numpy as np
+
+    from data_tools.embed import embed
+
+    embed(single, TEXT_MODEL)
+    ranks, one = (json.loads((d / "embeddings.json").read_text()) for d in (out, single))
+    assert ranks.pop("shards").keys() != one.pop("shards").keys() and ranks == one  # names carry the folder's
+    pairs = list(zip(sorted(out.glob("*.tar")), sorted(single.glob("*.tar"))))
+    assert len(pairs) == 5
+    for a, b in pairs:
+        assert Path(f"{a}.keys.txt").read_text() == Path(f"{b}.keys.txt").read_text()
+        np.testing.assert_allclose(np.load(f"{a}.emb.npy").astype(np.float32),
+                                   np.load(f"{b}.emb.npy").astype(np.float32), atol=2e-3)
 
 
 def test_table_and_folder_paths_stay_inside_the_base_dir_and_only_regular_files_are_read(tmp_path, emoji_images):

@@ -80,7 +80,9 @@ class SampleDecoder:
             raise SkipSample("empty_caption")
         emb = None
         if self.embeddings != "ignore":
-            if "emb.npy" in raw:
+            if raw.get("__emb__") is not None:  # the sidecar's row (mmpretrain.data.sidecar)
+                emb = torch.from_numpy(self._checked(raw["__emb__"]))
+            elif "emb.npy" in raw:  # an in-tar member (the earlier layout)
                 emb = torch.from_numpy(self._embedding(raw["emb.npy"]))
             elif self.embeddings == "require":
                 raise SkipSample("missing_embedding")
@@ -121,6 +123,9 @@ class SampleDecoder:
             arr = np.load(io.BytesIO(data), allow_pickle=False)
         except (ValueError, EOFError, OSError):  # empty, truncated, not .npy
             raise SkipSample("bad_embedding") from None
+        return self._checked(arr)
+
+    def _checked(self, arr: np.ndarray) -> np.ndarray:
         dim = self.embedding_dim
         if (arr.dtype.kind != "f" or arr.ndim != 1 or (dim is not None and arr.shape[0] != dim)
                 or not np.isfinite(arr).all()):

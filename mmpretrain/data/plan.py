@@ -44,6 +44,8 @@ class StreamPlan:
     def __post_init__(self):
         self.urls = [u for s in self.sources for u in s.urls]
         self.sizes = [n for s in self.sources for n in s.sizes]
+        # each shard's sidecar embeddings (mmpretrain.data.sidecar.SourceEmbeddings), None: none beside it
+        self.embeddings = [s.embeddings for s in self.sources for _ in s.urls]
         # the global index of sample i of shard k is offsets[k] + i (shards in data.train order)
         self.offsets = np.cumsum([0] + self.sizes[:-1]).tolist() if self.sizes else []
         self.readers = self.world_size * self.workers

@@ -36,10 +36,19 @@ class Source:
     sizes: list[int]
     weight: float = 1.0
     manifest: dict[str, Any] = field(default_factory=dict)  # the dataset's manifest.json ({} when absent)
+    embeddings: Any = None  # mmpretrain.data.sidecar.SourceEmbeddings when caption embeddings lie beside the shards
 
     @property
     def num_samples(self) -> int:
         return sum(self.sizes)
+
+    @property
+    def embedding_record(self) -> dict[str, Any]:
+        """``{model, dim, ...}`` of the stored caption embeddings: the sidecar's ``embeddings.json``, else
+        the manifest's record of in-tar ones; {} when there are none."""
+        if self.embeddings is not None:
+            return {k: v for k, v in self.embeddings.index.items() if k != "shards"}
+        return self.manifest.get("embedding") or {}
 
 
 def shard_path(url: str) -> str:

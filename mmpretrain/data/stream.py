@@ -80,9 +80,12 @@ class SegmentReader:
     string. Shards whose reading failed are kept in ``failed_shards``; samples a shard holds beyond
     its ``sizes.json`` count (never read by the plan) are counted in ``uncounted``."""
 
-    def __init__(self, urls: list[str], offsets: list[int], sizes: list[int], segments: Iterator[Segment]):
+    def __init__(self, urls: list[str], offsets: list[int], sizes: list[int], segments: Iterator[Segment],
+                 embeddings: list | None = None):
         self.urls, self.offsets, self.sizes = urls, offsets, sizes
         self.segments = segments
+        self.embeddings = embeddings  # per shard: its SourceEmbeddings, or None
+        self.shard_emb: tuple[int, Any] | None = None  # (shard, ShardEmbeddings) of the shard last opened
         self.seg: Segment | None = None
         self.seg_pos = 0  # position of self.seg's first sample
         self.it: Iterator[dict[str, Any]] | None = None
@@ -115,6 +118,11 @@ class SegmentReader:
                         "rebuild sizes.json (python -m data_tools verify)", self.urls[seg.shard], extra, seg.stop)
             self.uncounted += extra
 
+    def _sidecar(self, shard: int):
+        if self.shard_emb is None or self.shard_emb[0] != shard:
+            self.shard_emb = (shard, self.embeddings[shard].for_shard(self.urls[shard], self.sizes[shard]))
+        return self.shard_emb[1]
+
     def get(self, pos: int) -> dict[str, Any] | str:
         self._advance_to(pos)
         seg = self.seg
@@ -131,6 +139,8 @@ class SegmentReader:
             raw = next(self.it)
             self.next_in_seg += 1
             raw["__index__"] = self.offsets[seg.shard] + seg.start + want
+            if self.embeddings is not None and self.embeddings[seg.shard] is not None:
+                raw["__emb__"] = self._sidecar(seg.shard).row(seg.start + want, raw["__key__"])
             self._check_tail()
             return raw
         except StopIteration:
@@ -185,7 +195,7 @@ class Reader:
         else:
             M, P = None, 0
             segments = lambda: plan.drawn_segments(epoch, self.index)  # noqa: E731
-        reader = SegmentReader(plan.urls, plan.offsets, plan.sizes, segments())
+        reader = SegmentReader(plan.urls, plan.offsets, plan.sizes, segments(), plan.embeddings)
         fruitless = 0
         while emitted < L:
             if M is None or pos < M:  # shuffled blocks (never crossing into the spares)

@@ -87,10 +87,11 @@ def _members(f) -> Iterator[tuple[str, int, bool]]:
         yield name, size, kind in (b"0", b"\0", b"7")
 
 
-def read_tar(url: str | Path, skip: int = 0) -> Iterator[dict[str, Any]]:
+def read_tar(url: str | Path, skip: int = 0, only: tuple[str, ...] | None = None) -> Iterator[dict[str, Any]]:
     """Samples of one shard (local path, ``file://``, ``pipe:``, fsspec url; plain or gzipped), after
-    ``skip`` samples whose bytes are never copied out. Raises one of :data:`UNREADABLE` on an
-    unreadable or truncated tar, after yielding what it read."""
+    ``skip`` samples whose bytes are never copied out; ``only``: the member suffixes to read (the
+    others are skipped, e.g. the images when only captions are wanted). Raises one of
+    :data:`UNREADABLE` on an unreadable or truncated tar, after yielding what it read."""
     raw = open_url(str(url))
     try:
         stream = _buffered(raw)
@@ -104,7 +105,7 @@ def read_tar(url: str | Path, skip: int = 0) -> Iterator[dict[str, Any]]:
                     n += 1
                 key, sample = parts[0], {"__key__": parts[0]}
             pad = -size % 512
-            if parts is not None and n >= skip:
+            if parts is not None and n >= skip and (only is None or parts[1] in only):
                 data = stream.read(size)
                 if len(data) < size:
                     raise EOFError(f"tar member {name} cut short")

@@ -22,6 +22,7 @@ from mmpretrain.config import ConfigError, ExperimentConfig, flat_config, resolv
 from mmpretrain.data.decode import SampleDecoder
 from mmpretrain.data.manifest import provenance_record
 from mmpretrain.data.plan import StreamPlan, check_shard_count
+from mmpretrain.data.sidecar import EMB_SUFFIX, INDEX, attach_embeddings, load_rows
 from mmpretrain.data.sources import Source, resolve_sources
 from mmpretrain.data.stream import StreamPosition, TrainStream, make_loader
 from mmpretrain.data.tar import UNREADABLE, read_tar
@@ -91,6 +92,7 @@ def decide_resume(acc: Accelerator, cfg: ExperimentConfig, files: RunFolder) -> 
 def build_data(cfg: ExperimentConfig, world_size: int) -> Data:
     try:
         sources = resolve_sources(cfg.data.train, cfg.data.weights)
+        attach_embeddings(sources, cfg.data.embeddings)
         check_shard_count(sum(len(s.urls) for s in sources), world_size, cfg.data.num_workers)
         total = sum(s.num_samples for s in sources)
         plan = StreamPlan(sources, cfg.data.mode, cfg.seed, world_size, max(1, cfg.data.num_workers),
@@ -111,7 +113,7 @@ def build_objective_for(cfg: ExperimentConfig, rank: int, world_size: int, datas
 def target_source(cfg: ExperimentConfig, sources: list[Source], objective: WeightedObjective) -> str:
     """``shards``, ``online`` or ``none``: where the caption embeddings the objective (or the
     text-from-targets model) needs come from."""
-    recorded = {(s.manifest.get("embedding") or {}).get("model") for s in sources}
+    recorded = {s.embedding_record.get("model") for s in sources}
     try:
         return choose_target_source(cfg.targets.source, cfg.targets.model, recorded,
                                     needed=cfg.model.text_from_targets or objective.needs_targets,
@@ -127,12 +129,23 @@ def embedding_dim(cfg: ExperimentConfig, sources: list[Source], targets: str, mo
     before training; a single bad embedding is a ``bad_embedding`` skip in the stream."""
     if targets != "shards":
         return None
-    dims = {s.spec: (s.manifest.get("embedding") or {}).get("dim") for s in sources}
+    dims = {s.spec: s.embedding_record.get("dim") for s in sources}
     if len(set(dims.values())) != 1 or not isinstance(next(iter(dims.values())), int):
         raise ConfigError(f"data.train: the sources' manifests record embeddings of dimension {dims}: embed every "
                           f"source with `python -m data_tools embed DIR --model {cfg.targets.model} --overwrite`")
     dim = next(iter(dims.values()))
     for s in sources:
+        if s.embeddings is not None:  # the first sidecar's rows (each shard's are checked when it opens)
+            first = next(iter(s.embeddings.index["shards"]), None)
+            try:
+                shape = load_rows(s.embeddings.emb_dir, first).shape if first else None
+            except (OSError, ValueError, EOFError):
+                continue  # a damaged sidecar: its shard's samples are counted as missing_embedding
+            if shape is not None and (len(shape) != 2 or shape[1] != dim):
+                raise ConfigError(f"{s.embeddings.emb_dir}: {first}{EMB_SUFFIX} has rows of shape {shape[1:]}, but "
+                                  f"its {INDEX} records dimension {dim}: embed again (`python -m data_tools embed "
+                                  f"{s.spec} --model {cfg.targets.model} --overwrite`)")
+            continue
         try:
             first = next(read_tar(s.urls[0]), None)
             shape = np.load(io.BytesIO(first["emb.npy"]), allow_pickle=False).shape if first and "emb.npy" in first else None

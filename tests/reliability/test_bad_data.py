@@ -244,22 +244,30 @@ def test_bad_stored_embeddings_are_counted_skips(tmp_path):
     assert not any(k.startswith("bad_") for k in keys)
 
 
-def test_a_dataset_wide_embedding_dimension_mismatch_is_refused_before_training(openmoji, tmp_path):
-    """The manifest records one dimension, the stored embeddings have another: exit 2 before any step."""
+@pytest.mark.parametrize("layout", ["sidecar", "in-tar"])
+def test_a_dataset_wide_embedding_dimension_mismatch_is_refused_before_training(openmoji, tmp_path, layout):
+    """The record (embeddings.json, or the manifest for in-tar ones) says one dimension, the stored
+    embeddings have another: exit 2 before any step."""
     import shutil
 
-    from conftest import ROOT, run_cli
+    from conftest import ROOT, in_tar_copy, run_cli
 
     data = tmp_path / "train"
-    shutil.copytree(openmoji / "train", data)
-    manifest = json.loads((data / "manifest.json").read_text())
-    manifest["embedding"]["dim"] = 128
-    (data / "manifest.json").write_text(json.dumps(manifest))
+    if layout == "sidecar":
+        shutil.copytree(openmoji / "train", data)
+        record = data / "embeddings.json"
+    else:
+        in_tar_copy(openmoji / "train", data)
+        record = data / "manifest.json"
+    meta = json.loads(record.read_text())
+    (meta if layout == "sidecar" else meta["embedding"])["dim"] = 128
+    record.write_text(json.dumps(meta))
     r = run_cli("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={data}",
                 f"run_dir={tmp_path / 'run'}", "train.steps=2", "train.epochs=null", "data.num_workers=0",
                 "optim.warmup_steps=1")
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "emb.npy has shape (384,)" in r.stderr and "records dimension 128" in r.stderr
+    assert ("rows of shape (384,)" if layout == "sidecar" else "emb.npy has shape (384,)") in r.stderr
+    assert "dimension 128" in r.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

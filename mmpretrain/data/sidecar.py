@@ -1,0 +1,176 @@
+"""Caption embeddings beside the shards (never inside them), as DataComp keeps per-sample features.
+
+An embedding folder ``EMB_DIR`` (the dataset folder by default; any folder, local or fsspec, when the
+shards are read-only or remote) holds, per shard ``NAME.tar``::
+
+    EMB_DIR/
+      embeddings.json        {"model", "dim", "normalized", "dtype", "shards": {NAME.tar: {count, bytes, first_key}}}
+      NAME.tar.emb.npy       float16 (count, dim), L2-normalised, rows in the shard's sample order
+      NAME.tar.keys.txt      the shard's sample keys, one a line, the same order
+
+The training stream reads a shard's rows when it opens the shard. A sidecar that does not match the
+shard it is read with (rows, keys or count other than the shard's, a shard of another byte size or
+first key than the one embedded, an unreadable file) gives that shard's samples no embedding: each is
+counted as ``missing_embedding`` and the reason is logged once per shard, never a crash; a sample whose
+key is not the sidecar's key at its position is counted the same way.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import posixpath
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mmpretrain.data.sources import _is_local, open_url, shard_path
+
+log = logging.getLogger("mmpretrain.data")
+
+INDEX = "embeddings.json"
+EMB_SUFFIX = ".emb.npy"
+KEYS_SUFFIX = ".keys.txt"
+
+
+def join(folder: str, name: str) -> str:
+    return str(Path(folder) / name) if _is_local(folder) else posixpath.join(folder, name)
+
+
+def read_index(emb_dir: str) -> dict[str, Any] | None:
+    """``embeddings.json`` of ``emb_dir``, or None when there is none (or it is not a JSON object)."""
+    url = join(emb_dir, INDEX)
+    try:
+        if _is_local(emb_dir):
+            data = json.loads(Path(url).read_text())
+        else:
+            with open_url(url) as f:
+                data = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("shards"), dict) else None
+
+
+def shard_bytes(url: str) -> int | None:
+    """A shard's size in bytes (None where it cannot be known without reading it: ``pipe:``)."""
+    if url.startswith("pipe:"):
+        return None
+    path = url.removeprefix("file://")
+    if _is_local(path):
+        try:
+            return os.path.getsize(path)
+        except OSError:
+            return None
+    import fsspec
+
+    try:
+        fs, p = fsspec.core.url_to_fs(path)
+        return int(fs.size(p))
+    except Exception:  # a remote that cannot say: the count and first key still fingerprint it
+        return None
+
+
+def write_shard(emb_dir: Path, name: str, keys: list[str], embs: np.ndarray) -> None:
+    """One shard's sidecar files, each through a temporary file and a rename."""
+    for suffix, write in ((EMB_SUFFIX, lambda f: np.save(f, embs.astype(np.float16), allow_pickle=False)),
+                          (KEYS_SUFFIX, lambda f: f.write("".join(k + "\n" for k in keys).encode("utf-8")))):
+        final = emb_dir / (name + suffix)
+        tmp = final.with_name(final.name + ".tmp")
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, final)
+
+
+def load_rows(emb_dir: str, name: str) -> np.ndarray:
+    """The embedding rows of shard ``name`` (never unpickled)."""
+    with open_url(join(emb_dir, name + EMB_SUFFIX)) as f:
+        return np.load(io.BytesIO(f.read()), allow_pickle=False)
+
+
+class ShardEmbeddings:
+    """The sidecar rows of one shard, checked against the shard when it is opened."""
+
+    def __init__(self, emb_dir: str, url: str, expected: int, index: dict[str, Any], warned: set[str] | None = None):
+        self.name = posixpath.basename(shard_path(url))
+        self.warned = set() if warned is None else warned  # the shards whose problem this process logged
+        self.where = join(emb_dir, self.name + EMB_SUFFIX)
+        self.rows: np.ndarray | None = None
+        self.keys: list[str] = []
+        self.reason: str | None = None
+        try:
+            self._load(emb_dir, url, expected, index)
+        except (OSError, ValueError, EOFError) as e:  # truncated, not .npy, unreadable
+            self.reason = f"unreadable ({e.__class__.__name__}: {e})"
+        if self.reason:
+            self.rows = None
+        if self.reason and self.name not in self.warned:
+            self.warned.add(self.name)
+            log.warning("embeddings %s: %s; the shard's %d sample(s) count as missing_embedding (run "
+                        "`python -m data_tools embed` again)", self.where, self.reason, expected)
+
+    def _load(self, emb_dir: str, url: str, expected: int, index: dict[str, Any]) -> None:
+        record = index["shards"].get(self.name)
+        if not isinstance(record, dict):
+            self.reason = f"{INDEX} has no record of {self.name}"
+            return
+        rows = load_rows(emb_dir, self.name)
+        with open_url(join(emb_dir, self.name + KEYS_SUFFIX)) as f:
+            keys = f.read().decode("utf-8").splitlines()
+        dim = index.get("dim")
+        nbytes = shard_bytes(url)
+        if rows.ndim != 2 or rows.dtype.kind != "f" or rows.shape[1] != dim:
+            self.reason = f"shape {rows.shape} {rows.dtype}, {INDEX} says ({record.get('count')}, {dim}) floats"
+        elif not (rows.shape[0] == len(keys) == record.get("count") == expected):
+            self.reason = (f"{rows.shape[0]} rows and {len(keys)} keys for {record.get('count')} samples embedded, "
+                           f"the shard holds {expected}")
+        elif keys and keys[0] != record.get("first_key"):
+            self.reason = f"first key {keys[0]!r}, {INDEX} says {record.get('first_key')!r}"
+        elif nbytes is not None and record.get("bytes") is not None and nbytes != record["bytes"]:
+            self.reason = f"the shard has {nbytes} bytes, {record['bytes']} when it was embedded: it was rebuilt"
+        else:
+            self.rows, self.keys = rows, keys
+
+    def row(self, pos: int, key: str) -> np.ndarray | None:
+        """The embedding of the sample at ``pos`` in the shard, if the sidecar's key there is ``key``."""
+        if self.rows is None:
+            return None
+        if pos >= len(self.keys) or self.keys[pos] != key:
+            if self.reason is None and self.name not in self.warned:
+                self.warned.add(self.name)
+                self.reason = f"key {key!r} at position {pos}, the sidecar has {self.keys[pos:pos + 1]}"
+                log.warning("embeddings %s: %s (other key order): such samples count as missing_embedding",
+                            self.where, self.reason)
+            return None
+        return self.rows[pos]
+
+
+class SourceEmbeddings:
+    """A source's embedding folder: ``for_shard(url, expected)`` gives the shard's checked rows."""
+
+    def __init__(self, emb_dir: str, index: dict[str, Any]):
+        self.emb_dir, self.index = emb_dir, index
+        self.warned: set[str] = set()  # each shard's problem is logged once per process
+
+    def for_shard(self, url: str, expected: int) -> ShardEmbeddings:
+        return ShardEmbeddings(self.emb_dir, url, expected, self.index, self.warned)
+
+
+def attach_embeddings(sources: list, spec: str | None) -> None:
+    """Give each source its embedding folder: ``spec`` (``data.embeddings``: one folder per
+    ``::``-joined source of ``data.train``, in the same order), else the folder of its shards when
+    that holds an ``embeddings.json``. Raises FileNotFoundError / ValueError naming the setting."""
+    dirs = [d.strip() for d in spec.split("::")] if spec else [""] * len(sources)
+    if len(dirs) != len(sources):
+        raise ValueError(f"data.embeddings has {len(dirs)} folder(s) for {len(sources)} source(s) of data.train: "
+                         "give one per '::'-separated source, in the same order")
+    for source, d in zip(sources, dirs):
+        emb_dir = d or posixpath.dirname(shard_path(source.urls[0])) or "."
+        index = read_index(emb_dir)
+        if d and index is None:
+            raise FileNotFoundError(f"data.embeddings: {emb_dir} holds no readable {INDEX}; write it with "
+                                    f"`python -m data_tools embed {source.spec} --model MODEL --out {emb_dir}`")
+        if index is not None:
+            source.embeddings = SourceEmbeddings(emb_dir, index)
