@@ -1,10 +1,12 @@
 """`data_tools embed` sentences/s against raw SentenceTransformer.encode on the same model, captions
 and batch, end to end (model load included on both sides), alternating A B A B in one run.
 
-    python scripts/bench_embed.py [--model sentence-transformers/all-MiniLM-L6-v2] [--repeats 3]
+    python scripts/bench_embed.py [--model sentence-transformers/all-MiniLM-L6-v2] [--captions 20000] [--repeats 3]
 
-Data: the packaged OpenMoji captions (1,463), built into shards in a temporary folder. Ours also reads
-every shard and rewrites it with the embeddings. Writes bench_results/embed.json (ratio = ours / raw).
+Data: the packaged OpenMoji captions (their Unicode names), repeated to ``--captions`` and written as
+shards of 1,000 samples (a 1x1 PNG and the caption each) in a temporary folder. Ours reads every
+shard's captions and writes the sidecar embeddings beside it (no shard is rewritten). Writes
+bench_results/embed.json (ratio = ours / raw).
 """
 
 from __future__ import annotations
@@ -25,20 +27,34 @@ def main() -> int:
     p.add_argument("--model", default="sentence-transformers/all-MiniLM-L6-v2")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--captions", type=int, default=20_000)
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import io
+    import json
+
+    import webdataset as wds
+    from PIL import Image
     from sentence_transformers import SentenceTransformer
 
-    from data_tools.build import build
-    from data_tools.embed import dataset_folders, embed
-    from mmpretrain.data.manifest import read_sizes
-    from mmpretrain.data.tar import read_tar
+    from data_tools.embed import embed
+    from data_tools.sources.openmoji import list_emoji
 
+    names = [e.name for e in list_emoji()]
+    captions = [f"{names[i % len(names)]}" for i in range(args.captions)]
+    png = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(png, format="PNG")
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "openmoji"
-        build("demo:openmoji", data, image_size=32, shard_size=200)
-        captions = [s["txt"].decode() for f in dataset_folders(data) for n in sorted(read_sizes(f))
-                    for s in read_tar(f / n)]
+        data = Path(tmp) / "captions"
+        data.mkdir()
+        sizes = {}
+        for k in range(0, len(captions), 1000):
+            name = f"bench-{k // 1000:06d}.tar"
+            with wds.TarWriter(str(data / name), encoder=False) as w:
+                for i, c in enumerate(captions[k:k + 1000]):
+                    w.write({"__key__": f"{k + i:09d}", "png": png.getvalue(), "txt": c.encode()})
+            sizes[name] = len(captions[k:k + 1000])
+        (data / "sizes.json").write_text(json.dumps(sizes))
 
         def raw() -> float:
             t0 = time.perf_counter()

@@ -25,7 +25,7 @@ WHAT = {
     "loss": "clip tiled / open_clip `ClipLoss`, loss-internal peak memory at B = 16,384",
     "regions": "training step, region-weighted CLIP [5, 10, 20] / plain CLIP (tiny config, k-means every 20 steps)",
     "eval": "zero-shot images/s, `mmpretrain.eval` / clip_benchmark (5,000 MNIST digits)",
-    "embed": "`data_tools embed` / raw `SentenceTransformer.encode`, sentences/s",
+    "embed": "`data_tools embed` (sidecars) / raw `SentenceTransformer.encode`, sentences/s, 20,000 captions",
 }
 ORDER = ["train", "loader", "loss", "regions", "eval", "embed"]
 
