@@ -139,3 +139,39 @@ def test_data_embeddings_errors_name_the_setting(openmoji, tmp_path, bad, words)
         build_data(cfg, 1)
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
         build_data(cfg, 1)
+
+
+def test_embed_remote_shards_by_pattern_into_a_local_folder(openmoji, tmp_path):
+    """Shards named by a brace pattern on an fsspec filesystem (memory://, as s3:// or hf:// would be)
+    with their sizes.json: the embeddings go to --out, and the stream reads both."""
+    import fsspec
+
+    from data_tools.embed import EmbedError, embed
+
+    fs = fsspec.filesystem("memory")
+    sizes = json.loads((openmoji / "train/sizes.json").read_text())
+    names = sorted(sizes)[:3]
+    for n in names:
+        fs.pipe(f"/bucket/{n}", (openmoji / "train" / n).read_bytes())
+    fs.pipe("/bucket/sizes.json", json.dumps({n: sizes[n] for n in names}).encode())
+    pattern = f"memory://bucket/openmoji-train-{{000000..{len(names) - 1:06d}}}.tar"
+    with pytest.raises(EmbedError, match="--out"):
+        embed(pattern, TEXT_MODEL)  # nowhere local to write beside the shards
+    emb = tmp_path / "emb"
+    res = embed(pattern, TEXT_MODEL, out=emb)
+    assert res[0]["embedded"] == sum(sizes[n] for n in names)
+    index = json.loads((emb / "embeddings.json").read_text())
+    assert sorted(index["shards"]) == names and all(index["shards"][n]["bytes"] == (openmoji / "train" / n).stat().st_size
+                                                    for n in names)
+    sources = resolve_sources(pattern)
+    attach_embeddings(sources, str(emb))
+    plan = StreamPlan(sources, "epoch", 0, 1, 1, 10, sources[0].num_samples, 0)
+    from open_clip.transform import PreprocessCfg, image_transform_v2
+
+    decoder = SampleDecoder(image_transform_v2(PreprocessCfg(size=32), is_train=False), embeddings="require",
+                            embedding_dim=384)
+    it = iter(make_loader(TrainStream(plan, decoder, 0), 0))
+    batches = [next(it) for _ in range(plan.steps_per_epoch)]
+    assert all("missing_embedding" not in b["skipped"] for b in batches)
+    assert sum(len(b["keys"]) for b in batches) == plan.steps_per_epoch * 10
+    fs.rm("/bucket", recursive=True)
