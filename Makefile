@@ -33,7 +33,7 @@ demo: setup
 	echo "demo done in $$(( $$(date +%s) - start )) s: results in $(RUN)/results.json, export in $(RUN)/export"
 
 test: setup
-	$(BIN)/python -m pytest -m "not slow" -q
+	$(BIN)/python -m pytest -m "not slow" -q --durations=15
 
 test-slow: setup
 	$(BIN)/python -m pytest -m slow -q

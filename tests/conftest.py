@@ -42,6 +42,21 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subproce
 
 
 @pytest.fixture(scope="session")
+def emoji_images(tmp_path_factory) -> list[tuple[Path, str]]:
+    """20 real emoji renders as JPEG/PNG files with their Unicode-name captions."""
+    from data_tools.sources.openmoji import Renderer, list_emoji
+
+    folder = tmp_path_factory.mktemp("emoji")
+    render = Renderer()
+    out = []
+    for i, e in enumerate(list_emoji(20)):
+        path = folder / f"{e.key}.{'jpg' if i % 2 else 'png'}"
+        render(e.text).resize((48, 48)).save(path)
+        out.append((path, e.name))
+    return out
+
+
+@pytest.fixture(scope="session")
 def openmoji(tmp_path_factory) -> Path:
     """A small real dataset: 500 OpenMoji emoji, built and embedded through the public commands."""
     out = tmp_path_factory.mktemp("data") / "openmoji"
