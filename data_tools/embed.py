@@ -58,6 +58,9 @@ def targets(path: str, out: str | Path | None) -> list[tuple[Source, Path, Path 
     dataset folder or a folder of split folders, or a shard pattern (local or remote; needs ``--out``
     unless its folder is local)."""
     local = Path(path.removeprefix("file://"))
+    if "://" not in path and not path.startswith("pipe:") and not any(c in path for c in "{*?[") \
+            and not local.exists():
+        raise EmbedError(f"{path}: no such dataset folder or shard")
     try:
         if local.is_dir():
             folders = dataset_folders(local)
@@ -189,8 +192,9 @@ def embed(path: str | Path, model: str, *, out: str | Path | None = None, overwr
     jobs = targets(str(path), out)
     for _, emb_dir, dataset in jobs:  # refuse before loading anything
         check_model(emb_dir, dataset, model, overwrite)
-        if emb_dir.exists() and not emb_dir.is_dir():
-            raise EmbedError(f"--out {emb_dir} is a file, not a folder")
+        for p in (emb_dir, *emb_dir.parents):
+            if p.exists() and not p.is_dir():
+                raise EmbedError(f"--out {out or emb_dir}: {p} is a file, not a folder")
     try:  # a misspelt --model is refused before anything is written
         require_model(model, "--model")
     except ValueError as e:

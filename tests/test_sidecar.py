@@ -128,11 +128,13 @@ def test_in_tar_embeddings_still_train(openmoji, tmp_path):
 
 
 @pytest.mark.parametrize("bad, words", [("{tmp}/nowhere", "no readable embeddings.json"),
-                                        ("{tmp}/emb::{tmp}/emb", "2 folder(s) for 1 source(s)")])
+                                        ("{tmp}/emb::{tmp}/emb", "2 folder(s) for 1 source(s)"),
+                                        ("{test}", "records none of the shards")])
 def test_data_embeddings_errors_name_the_setting(openmoji, tmp_path, bad, words):
     from mmpretrain.config import ConfigError, load_config
     from mmpretrain.train.build import build_data
 
+    bad = bad.replace("{test}", str(openmoji / "test"))  # the held-out split's embeddings
     cfg = load_config(ROOT / "configs/demo.yaml", [f"data.train={openmoji / 'train'}",
                                                    f"data.embeddings={bad.replace('{tmp}', str(tmp_path))}"])
     with pytest.raises(ConfigError, match="data.embeddings"):
@@ -175,3 +177,17 @@ def test_embed_remote_shards_by_pattern_into_a_local_folder(openmoji, tmp_path):
     assert all("missing_embedding" not in b["skipped"] for b in batches)
     assert sum(len(b["keys"]) for b in batches) == plan.steps_per_epoch * 10
     fs.rm("/bucket", recursive=True)
+
+
+def test_embed_refuses_bad_paths_before_any_work(openmoji, tmp_path):
+    from data_tools.embed import EmbedError, embed
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    for path, out, words in ((tmp_path / "nowhere", None, "no such dataset folder or shard"),
+                             (tmp_path, None, "holds no dataset"),
+                             (openmoji, notes, "is a file, not a folder"),
+                             (openmoji / "train", notes / "emb", "is a file, not a folder")):
+        with pytest.raises(EmbedError, match=words):
+            embed(path, TEXT_MODEL, out=out)
+    assert notes.read_text() == "mine"

@@ -173,4 +173,9 @@ def attach_embeddings(sources: list, spec: str | None) -> None:
             raise FileNotFoundError(f"data.embeddings: {emb_dir} holds no readable {INDEX}; write it with "
                                     f"`python -m data_tools embed {source.spec} --model MODEL --out {emb_dir}`")
         if index is not None:
+            names = {posixpath.basename(shard_path(u)) for u in source.urls}
+            if not names & set(index["shards"]):
+                raise FileNotFoundError(f"data.embeddings: {join(emb_dir, INDEX)} records none of the shards of "
+                                        f"{source.spec} (it embeds others, e.g. {next(iter(index['shards']), '-')}): "
+                                        "give the folder `data_tools embed` wrote for these shards")
             source.embeddings = SourceEmbeddings(emb_dir, index)
