@@ -195,6 +195,10 @@ def embed(path: str | Path, model: str, *, out: str | Path | None = None, overwr
         for p in (emb_dir, *emb_dir.parents):
             if p.exists() and not p.is_dir():
                 raise EmbedError(f"--out {out or emb_dir}: {p} is a file, not a folder")
+        existing = next(p for p in (emb_dir, *emb_dir.parents) if p.exists())
+        if not os.access(existing, os.W_OK):
+            raise EmbedError(f"{existing} is not writable{'' if out else ' (the shards may be read-only)'}: give "
+                             "--out EMB_DIR, a folder for the embeddings (training takes it as data.embeddings)")
     try:  # a misspelt --model is refused before anything is written
         require_model(model, "--model")
     except ValueError as e:

@@ -191,3 +191,14 @@ def test_embed_refuses_bad_paths_before_any_work(openmoji, tmp_path):
         with pytest.raises(EmbedError, match=words):
             embed(path, TEXT_MODEL, out=out)
     assert notes.read_text() == "mine"
+
+
+def test_embed_beside_read_only_shards_asks_for_out(openmoji, monkeypatch):
+    """Tests run as root, for whom nothing is read-only: the permission check is patched."""
+    import os
+
+    from data_tools.embed import EmbedError, embed
+
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    with pytest.raises(EmbedError, match="not writable .*give --out EMB_DIR"):
+        embed(openmoji / "train", TEXT_MODEL)
