@@ -53,6 +53,14 @@ def _load_encoder(model: str, device: str | None):
     return enc
 
 
+def embedding_folders(folders: list[Path], out: str | Path | None) -> list[Path | None]:
+    """Where each dataset folder's embeddings are given ``--out`` (or ``--embeddings``): that folder,
+    with several split folders a subfolder each; None without it (beside the shards)."""
+    if out is None:
+        return [None] * len(folders)
+    return [Path(out) / f.name if len(folders) > 1 else Path(out) for f in folders]
+
+
 def targets(path: str, out: str | Path | None) -> list[tuple[Source, Path, Path | None]]:
     """``(source, embedding folder, dataset folder or None)`` for each dataset ``path`` names: a local
     dataset folder or a folder of split folders, or a shard pattern (local or remote; needs ``--out``
@@ -64,8 +72,7 @@ def targets(path: str, out: str | Path | None) -> list[tuple[Source, Path, Path 
     try:
         if local.is_dir():
             folders = dataset_folders(local)
-            out_of = (lambda f: Path(out) / f.name) if out and len(folders) > 1 else (lambda f: Path(out or f))
-            return [(resolve_source(str(f)), out_of(f), f) for f in folders]
+            return [(resolve_source(str(f)), e or f, f) for f, e in zip(folders, embedding_folders(folders, out))]
         source = resolve_source(path)
     except (FileNotFoundError, ValueError) as e:
         raise EmbedError(str(e)) from None
@@ -76,6 +83,9 @@ def targets(path: str, out: str | Path | None) -> list[tuple[Source, Path, Path 
 
 
 def check_model(emb_dir: Path, dataset: Path | None, model: str, overwrite: bool) -> None:
+    if (emb_dir / INDEX).exists() and read_index(str(emb_dir)) is None:
+        raise EmbedError(f"{emb_dir / INDEX} exists and is not an index embed wrote (no 'shards' record): it is "
+                         "left as it is; choose another --out")
     index = read_index(str(emb_dir)) or {}
     recorded = index.get("model") or (
         (read_manifest(dataset).get("embedding") or {}).get("model") if dataset == emb_dir else None)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from data_tools.embed import dataset_folders
+from data_tools.embed import dataset_folders, embedding_folders
 from mmpretrain.data.decode import IMAGE_EXTS
 from mmpretrain.data.manifest import read_manifest, read_sizes
 from mmpretrain.data.sidecar import INDEX, SourceEmbeddings, read_index
@@ -107,7 +107,7 @@ def verify(path: str | Path, embeddings: str | Path | None = None) -> dict[str, 
     """Every dataset folder under ``path``; ``embeddings``: the embedding folder (``embed --out``; with
     several split folders, one subfolder each), default: beside the shards."""
     folders = dataset_folders(path)
-    return {str(f): verify_folder(f, e) for f, e in zip(folders, _emb_dirs(folders, embeddings))}
+    return {str(f): verify_folder(f, e) for f, e in zip(folders, embedding_folders(folders, embeddings))}
 
 
 def stats_folder(folder: Path, plot: bool = True, emb_dir: str | Path | None = None) -> dict:
@@ -183,12 +183,6 @@ def _plot(folder: Path, words: list[int], widths: list[int], heights: list[int])
     return path
 
 
-def _emb_dirs(folders: list[Path], embeddings: str | Path | None) -> list[Path | None]:
-    if embeddings is None:
-        return [None] * len(folders)
-    return [Path(embeddings) / f.name if len(folders) > 1 else Path(embeddings) for f in folders]
-
-
 def stats(path: str | Path, embeddings: str | Path | None = None) -> list[dict]:
     folders = dataset_folders(path)
-    return [stats_folder(f, emb_dir=e) for f, e in zip(folders, _emb_dirs(folders, embeddings))]
+    return [stats_folder(f, emb_dir=e) for f, e in zip(folders, embedding_folders(folders, embeddings))]

@@ -184,13 +184,17 @@ def test_embed_refuses_bad_paths_before_any_work(openmoji, tmp_path):
 
     notes = tmp_path / "notes.txt"
     notes.write_text("mine")
-    for path, out, words in ((tmp_path / "nowhere", None, "no such dataset folder or shard"),
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "embeddings.json").write_text('{"mine": true}')  # a user's file of that name in --out
+    for path, out, words in ((openmoji / "train", theirs, "is not an index embed wrote"),
+                             (tmp_path / "nowhere", None, "no such dataset folder or shard"),
                              (tmp_path, None, "holds no dataset"),
                              (openmoji, notes, "is a file, not a folder"),
                              (openmoji / "train", notes / "emb", "is a file, not a folder")):
         with pytest.raises(EmbedError, match=words):
             embed(path, TEXT_MODEL, out=out)
-    assert notes.read_text() == "mine"
+    assert notes.read_text() == "mine" and (theirs / "embeddings.json").read_text() == '{"mine": true}'
 
 
 def test_embed_beside_read_only_shards_asks_for_out(openmoji, monkeypatch):
