@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM ?= false
 DATA := data/openmoji
 RUN := runs/demo
 
-.PHONY: setup demo test test-slow lint bench clean
+.PHONY: setup demo test test-slow deepspeed lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,8 +35,20 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -m "not slow" -q --durations=15
 
-test-slow: setup
+test-slow: setup deepspeed
 	$(BIN)/python -m pytest -m slow -q
+
+# DeepSpeed for the slow engine test (tests/test_engines.py), on its CPU accelerator: an sdist, built
+# against the venv's torch (no build isolation, which would fetch an unpinned torch), no compiled ops,
+# in its own folder so that the rest of the suite runs without it.
+DEEPSPEED := .cache/deepspeed
+$(DEEPSPEED)/.installed: constraints.txt
+	DS_BUILD_OPS=0 DS_ACCELERATOR=cpu $(BIN)/pip install --quiet --disable-pip-version-check --no-build-isolation \
+	    --no-deps --target $(DEEPSPEED) deepspeed==0.19.8 hjson==3.1.0 ninja==1.13.2 msgpack==1.2.4 py-cpuinfo==9.0.0 \
+	    einops==0.8.2
+	touch $@
+
+deepspeed: setup $(DEEPSPEED)/.installed
 
 # Every scripts/bench_*.py, each writing bench_results/<name>.json (slow: minutes each), then the README table.
 bench: setup

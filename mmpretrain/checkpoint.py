@@ -24,20 +24,32 @@ from safetensors.torch import load_file, save_file
 from mmpretrain.config import ConfigError, config_defaults, flat_config
 from mmpretrain.run_files import MODEL_WEIGHTS, OBJECTIVE_STATE, TRAIN_STATE, RunFolder
 
-__all__ = ["Resume", "check_resume", "choose_resume", "load_objective_state", "read_train_state", "save_checkpoint",
+__all__ = ["Resume", "check_layout", "check_resume", "checkpoint_layout", "choose_resume", "load_objective_state",
+           "read_train_state", "save_checkpoint",
            "verify_checkpoint"]
 
 
 def save_checkpoint(accelerator, files: RunFolder, step: int, train_state: dict[str, Any], keep_last: int | None = None,
-                    objective_state: dict[str, torch.Tensor] | None = None) -> Path:
+                    objective_state: dict[str, torch.Tensor] | None = None, model: torch.nn.Module | None = None) -> Path:
     """``objective_state``: the objective's ``state_dict`` (the same on every rank), written by the main
-    process when not empty. Keeps the newest ``keep_last`` complete checkpoints."""
+    process when not empty. Keeps the newest ``keep_last`` complete checkpoints.
+
+    Under FSDP and DeepSpeed, accelerate's ``save_state`` writes the engine's own layout
+    (``pytorch_model_fsdp.bin`` or ``pytorch_model_fsdp_0/``, DeepSpeed's ``pytorch_model/``), which a
+    resume reads back; evaluation, export and ``model.pretrained`` read ``model.safetensors``, so the
+    full fp32 weights of ``model`` (the prepared model) are gathered and written beside it, with the logit
+    scale and bias 0-dim as open_clip has them. Every rank has finished writing before the main
+    process renames the folder."""
     final = files.checkpoint(step)
     tmp = final.with_name(final.name + ".tmp")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp), safe_serialization=True)
+    engine = str(accelerator.distributed_type).rsplit(".", 1)[-1]
+    if engine in ("FSDP", "DEEPSPEED") and model is not None:
+        write_full_weights(accelerator, model, tmp, engine)
+    accelerator.wait_for_everyone()  # no rank may still be writing into tmp when it is renamed
     if accelerator.is_main_process:
         if objective_state:
             save_file({k: v.detach().cpu().contiguous() for k, v in objective_state.items()}, str(tmp / OBJECTIVE_STATE))
@@ -50,6 +62,49 @@ def save_checkpoint(accelerator, files: RunFolder, step: int, train_state: dict[
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def write_full_weights(accelerator, model: torch.nn.Module, folder: Path, engine: str) -> None:
+    """``folder/model.safetensors``: the full weights of an FSDP- or DeepSpeed-prepared model (call on
+    every rank). FSDP: accelerate's gathered state dict. DeepSpeed: the fp32 master weights from the
+    ZeRO checkpoint just written (the module itself holds bf16/fp16 copies under mixed precision)."""
+    from mmpretrain.models.factory import scalar_logits
+
+    if engine == "DEEPSPEED":
+        accelerator.wait_for_everyone()  # every rank's optimizer partition is on disk
+        state = None
+        if accelerator.is_main_process:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            state = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag="pytorch_model")
+    else:
+        state = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        save_file({k: v.detach().float().cpu().contiguous() if v.is_floating_point() else v.detach().cpu().contiguous()
+                   for k, v in scalar_logits(state).items()}, str(folder / MODEL_WEIGHTS))
+
+
+LAYOUTS = {"FSDP": "FSDP", "DEEPSPEED": "DeepSpeed"}  # accelerate's distributed type -> its save_state layout
+
+
+def checkpoint_layout(ckpt: Path) -> str:
+    """Which engine's ``save_state`` wrote ``ckpt``: ``FSDP``, ``DeepSpeed`` or ``DDP`` (one process
+    and DDP write the same files)."""
+    names = {p.name for p in Path(ckpt).iterdir()} if Path(ckpt).is_dir() else set()
+    if any(n.startswith("pytorch_model_fsdp") for n in names):
+        return "FSDP"
+    if "pytorch_model" in names and (Path(ckpt) / "pytorch_model").is_dir():
+        return "DeepSpeed"
+    return "DDP"
+
+
+def check_layout(ckpt: Path, distributed_type: Any) -> None:
+    """A resume reads the engine's own files: refuse a checkpoint another engine wrote, with the fix."""
+    have = checkpoint_layout(ckpt)
+    want = LAYOUTS.get(str(distributed_type).rsplit(".", 1)[-1], "DDP")
+    if have != want:
+        raise ConfigError(f"{ckpt} was written under {have}, this launch uses {want}: resume it with the same "
+                          f"accelerate config, or start a new run_dir from its weights (model.pretrained={ckpt})")
 
 
 def load_objective_state(objective: torch.nn.Module, ckpt: Path) -> None:
@@ -107,12 +162,14 @@ def verify_checkpoint(ckpt: Path, world_size: int | None = None) -> tuple[list[s
                 f.keys()
         except (SafetensorError, OSError) as e:
             problems.append(f"{p.name}: {'missing' if not p.exists() else e}")
-    archives = sorted(p for p in ckpt.glob("*.bin")) + sorted(p for p in ckpt.glob("*.pt"))
-    if not any(p.name.startswith("optimizer") for p in archives):
+    # FSDP's sharded state sits in pytorch_model_fsdp_0/ and optimizer_0/, DeepSpeed's in pytorch_model/
+    archives = sorted(p for p in ckpt.rglob("*.bin")) + sorted(p for p in ckpt.rglob("*.pt"))
+    if not any(p.name.startswith("optimizer") for p in (ckpt.iterdir() if ckpt.is_dir() else ())) and not any(
+            p.name.endswith("optim_states.pt") for p in archives):
         problems.append("optimizer.bin: missing")
     for p in archives:
         if (why := _zip_problem(p)) is not None:
-            problems.append(f"{p.name}: {why}")
+            problems.append(f"{p.relative_to(ckpt)}: {why}")
     rng = [f"random_states_{r}.pkl: {why}" for r in range(world_size or 1)
            if (why := _zip_problem(ckpt / f"random_states_{r}.pkl")) is not None]
     return problems, rng

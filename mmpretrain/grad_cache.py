@@ -33,12 +33,15 @@ import torch
 class StepResult:
     """One step's forward and backward: the objective's ``terms`` (detached: ``*_loss`` weighted,
     ``*_unweighted``, diagnostics), their sum ``loss``, this rank's ``features`` (image, text) for the
-    diagnostics, and whether the loss was ``finite`` (when not, the caller must discard the gradients)."""
+    diagnostics, whether the loss was ``finite`` (when not, the caller must discard the gradients), and
+    the ``logit_scale`` the forward used (read off the forward: under FSDP a rank that does not hold
+    the parameter's shard sees it empty)."""
 
     terms: dict[str, Any]
     loss: torch.Tensor
     features: tuple[torch.Tensor, torch.Tensor]
     finite: bool = True
+    logit_scale: torch.Tensor | None = None
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -58,6 +61,16 @@ def _full(x: torch.Tensor) -> torch.Tensor:
 
 def _sub(x, s):
     return None if x is None else x[s]
+
+
+def for_objective(feats: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The forward's outputs as the objective takes them: half-precision features outside autocast
+    (DeepSpeed's bf16/fp16 weights run without it) are cast up to fp32, as autocast would for the
+    objective's softmax and log-sum-exp; under autocast or in fp32, unchanged."""
+    if torch.is_autocast_enabled(device.type):
+        return feats
+    return {k: v.float() if isinstance(v, torch.Tensor) and v.dtype in (torch.bfloat16, torch.float16) else v
+            for k, v in feats.items()}
 
 
 def total_of(out: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -82,20 +95,21 @@ def forward_backward(accelerator, model, objective, images, tokens=None, targets
     kw = context or {}
     if not micro_batch or micro_batch >= B:
         with acc.autocast():
-            feats = model(images, tokens=tokens, target_embeddings=targets)
+            feats = for_objective(model(images, tokens=tokens, target_embeddings=targets), images.device)
             out = objective(**feats, target_embeddings=targets, **kw)
         total = total_of(out)
         ok = finite is None or finite(total)
         if ok:
             acc.backward(total)
-        return _result(out, total, feats["image_features"], feats["text_features"], ok)
+        return _result(out, total, feats["image_features"], feats["text_features"], ok, feats["logit_scale"])
     chunks = [slice(i, min(i + micro_batch, B)) for i in range(0, B, micro_batch)]
     if mode == "accumulate":
         outs, fi, ft = [], [], []
         for j, s in enumerate(chunks):
             with acc.no_sync(model) if j < len(chunks) - 1 else nullcontext():
                 with acc.autocast():
-                    feats = model(images[s], tokens=_sub(tokens, s), target_embeddings=_sub(targets, s))
+                    feats = for_objective(model(images[s], tokens=_sub(tokens, s), target_embeddings=_sub(targets, s)),
+                                          images.device)
                     o = objective(**feats, target_embeddings=_sub(targets, s),
                                   **{k: _sub(v, s) if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
                 acc.backward(total_of(o) / len(chunks))
@@ -105,7 +119,7 @@ def forward_backward(accelerator, model, objective, images, tokens=None, targets
         out = {k: sum(o[k] for o in outs) / len(outs) for k in outs[0]}
         total = total_of(out)
         ok = finite is None or finite(total)
-        return _result(out, total, torch.cat(fi), torch.cat(ft), ok)
+        return _result(out, total, torch.cat(fi), torch.cat(ft), ok, feats["logit_scale"])
     if mode != "grad_cache":
         raise ValueError(f"train.micro_batch_mode={mode!r}: grad_cache or accumulate")
     device = images.device
@@ -118,20 +132,21 @@ def forward_backward(accelerator, model, objective, images, tokens=None, targets
             img.append(f["image_features"])
             txt.append(f["text_features"])
     after = _rng_state(device)
+    # the scale and bias as the forward uses them (clamped; 0-dim), not read off the parameters: under
+    # FSDP a rank holds only its shard of them (often nothing)
+    scale = _full(f["logit_scale"].detach()).requires_grad_()
+    bias = _full(f["logit_bias"].detach()).requires_grad_() if f["logit_bias"] is not None else None
     # The objective's backward runs here, outside the fp16 GradScaler: its dL/dfeatures (~1/N^2) would
     # underflow in fp16 at large N. So it runs in (at least) fp32 on up-cast features, autocast off;
     # the towers' backward below goes through accelerator.backward, scaled as usual.
     img = _full(torch.cat(img).detach()).requires_grad_()
     txt = _full(torch.cat(txt).detach()).requires_grad_()
-    clip = acc.unwrap_model(model).clip
-    scale = clip.logit_scale.detach().exp().requires_grad_()
-    bias = clip.logit_bias.detach().clone().requires_grad_() if clip.logit_bias is not None else None
     with torch.autocast(device.type, enabled=False):
         out = objective(image_features=img, text_features=txt, logit_scale=scale, logit_bias=bias,
                         target_embeddings=targets, **kw)
     total = total_of(out)
     if finite is not None and not finite(total):
-        return _result(out, total, img, txt, False)
+        return _result(out, total, img, txt, False, scale)
     total.backward()
     for j, s in enumerate(chunks):
         last = j == len(chunks) - 1
@@ -146,9 +161,11 @@ def forward_backward(accelerator, model, objective, images, tokens=None, targets
                     surrogate = surrogate + (f["logit_bias"] * bias.grad).sum()
             acc.backward(surrogate)
     _set_rng_state(after, device)
-    return _result(out, total, img, txt)
+    return _result(out, total, img, txt, True, scale)
 
 
-def _result(out: dict[str, Any], total: torch.Tensor, image_features, text_features, finite: bool = True) -> StepResult:
+def _result(out: dict[str, Any], total: torch.Tensor, image_features, text_features, finite: bool = True,
+            logit_scale: torch.Tensor | None = None) -> StepResult:
     terms = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
-    return StepResult(terms, total.detach(), (image_features.detach(), text_features.detach()), finite)
+    return StepResult(terms, total.detach(), (image_features.detach(), text_features.detach()), finite,
+                      logit_scale.detach() if logit_scale is not None else None)

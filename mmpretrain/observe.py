@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from mmpretrain.metrics import GEOMETRY_ROWS, geometry, similarity_histogram
 
 
 def log_record(run: Any, terms: dict[str, torch.Tensor], loss: torch.Tensor, lr: float, since: float,
-               steps: int) -> dict[str, Any]:
+               steps: int, logit_scale: torch.Tensor | None = None) -> dict[str, Any]:
     """The record of the step just taken (``run.state.step``): every ``*_loss``/``*_unweighted`` term and
     the total, averaged over ranks; the objective's own diagnostics (``"regions/m5/q_entropy"``: keys
     with a ``/``, equal on every rank); learning rate, scale, throughput since ``since`` over ``steps``
@@ -35,7 +36,8 @@ def log_record(run: Any, terms: dict[str, torch.Tensor], loss: torch.Tensor, lr:
                 rec[k] = v.tolist()
             elif math.isfinite(float(v)):
                 rec[k] = float(v)
-    rec["logit_scale"] = float(acc.unwrap_model(run.model).clip.logit_scale.detach().exp())
+    if logit_scale is not None:  # the forward's (under FSDP the parameter is sharded)
+        rec["logit_scale"] = float(logit_scale)
     rec["samples_per_s"] = steps * run.schedule.global_batch_size / max(time.time() - since, 1e-9)
     rec["skipped"] = all_ranks_skipped(acc, st.skipped)
     rec["nonfinite_steps"] = st.nonfinite_steps
@@ -71,10 +73,39 @@ def diagnostics(run: Any, features: tuple[torch.Tensor, torch.Tensor]) -> dict[s
     return {f"geometry/{k}": v for k, v in geometry(x, y).items()}
 
 
+@contextmanager
+def full_weights(accelerator, model: torch.nn.Module):
+    """The unwrapped module with its full weights, for calls outside the prepared model's forward
+    (evaluation runs ``encode_image``/``encode_text``). FSDP shards the parameters between forwards:
+    they are gathered for the duration (no write-back), FSDP1 with ``summon_full_params``, FSDP2 with
+    ``unshard``/``reshard``; every other engine holds them whole already. Under bf16/fp16, FSDP's
+    mixed-precision policy (its buffers, FSDP2's gathered parameters) and DeepSpeed's weights are half
+    precision while the evaluator's images are fp32: the calls run under autocast there (DDP's
+    evaluation stays fp32)."""
+    inner = accelerator.unwrap_model(model)
+    engine = str(accelerator.distributed_type).rsplit(".", 1)[-1]
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(accelerator.mixed_precision))
+    with ExitStack() as stack:
+        if engine in ("FSDP", "DEEPSPEED") and half is not None:
+            stack.enter_context(torch.autocast(accelerator.device.type, dtype=half))
+        if engine == "FSDP":
+            from torch.distributed.fsdp import FSDPModule
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+            if isinstance(model, FSDP1):
+                stack.enter_context(FSDP1.summon_full_params(model, writeback=False, recurse=True))
+            else:
+                sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+                for m in sharded:
+                    m.unshard()
+                stack.callback(lambda: [m.reshard() for m in sharded])
+        yield inner
+
+
 def evaluate(run: Any) -> dict[str, Any]:
     """The configured evaluations on every rank; results.json gets them under model ``step_N``."""
-    clip = run.accelerator.unwrap_model(run.model).clip
-    entries = run.evaluator.run(clip, run.preprocess, run.tokenizer, model_name=f"step_{run.state.step}")
+    with full_weights(run.accelerator, run.model) as module:
+        entries = run.evaluator.run(module.clip, run.preprocess, run.tokenizer, model_name=f"step_{run.state.step}")
     # the evaluator restored the open_clip model's train mode, which would put a locked (LiT) tower
     # back into dropout: the DualEncoder's train() puts it back in eval mode
     run.model.train()

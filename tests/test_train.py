@@ -118,33 +118,46 @@ STEP_SCRIPT = str(ROOT / "tests/scripts/step_equivalence.py")
 
 @pytest.fixture(scope="module")
 def one_process_steps(tmp_path_factory):
+    """``which -> results`` of the step script in one process (run once per ``which``)."""
     import subprocess
     import sys
 
-    out = tmp_path_factory.mktemp("steps") / "one.json"
-    r = subprocess.run([sys.executable, STEP_SCRIPT, str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    a = json.loads(out.read_text())
-    # gradient caching is the whole batch's step
-    assert a["grad_cache"]["losses"] == pytest.approx(a["whole"]["losses"], rel=1e-9)
-    return a
+    done = {}
+
+    def steps(which: str) -> dict:
+        if which not in done:
+            out = tmp_path_factory.mktemp("steps") / f"one-{which}.json"
+            r = subprocess.run([sys.executable, STEP_SCRIPT, str(out), which], cwd=ROOT, capture_output=True,
+                               text=True, timeout=600)
+            assert r.returncode == 0, r.stderr[-3000:]
+            done[which] = json.loads(out.read_text())
+            for name, res in done[which].items():  # gradient caching is the whole batch's step
+                if name.startswith("grad_cache"):
+                    whole = done[which][name.replace("grad_cache", "whole")]
+                    assert res["losses"] == pytest.approx(whole["losses"], rel=1e-9), name
+        return done[which]
+
+    return steps
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_processes_equal_one_with_the_same_global_batch(one_process_steps, tmp_path, world):
+@pytest.mark.parametrize("world,which", [(2, "default"), (4, "default"), pytest.param(4, "all", marks=pytest.mark.slow)])
+def test_processes_equal_one_with_the_same_global_batch(one_process_steps, tmp_path, world, which):
     """5 float64 steps through train_step with the global batch split over ``world`` gloo ranks under
-    accelerate launch: the losses and weights of one process, with and without gradient caching."""
+    accelerate launch: the losses and weights of one process, with and without gradient caching; on 4
+    ranks (``make test-slow``) also 3 steps of every objective alone (clip's gather modes and tiling, sigmoid with and without
+    within-view negatives, soft targets in image space, cwcl, vrn, align_uniform)."""
     import subprocess
     import sys
 
     out = tmp_path / f"{world}.json"
     r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                         str(ROOT / "configs/accelerate/cpu-2proc.yaml"), "--num_processes", str(world), STEP_SCRIPT,
-                        str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                        str(out), which], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    a, b = one_process_steps, json.loads(out.read_text())
-    for name in ("whole", "grad_cache"):
-        assert len(a[name]["losses"]) == 5
+    a, b = one_process_steps(which), json.loads(out.read_text())
+    assert len(b) == (20 if which == "all" else 2)
+    for name in b:
+        assert len(a[name]["losses"]) == (5 if "/" not in name else 3)
         assert b[name]["losses"] == pytest.approx(a[name]["losses"], rel=1e-6, abs=1e-6), name
         assert b[name]["weights"] == pytest.approx(a[name]["weights"], rel=1e-9), name
 

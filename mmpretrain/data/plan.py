@@ -112,12 +112,3 @@ class StreamPlan:
 
 def json_bytes(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True).encode()
-
-
-def check_shard_count(num_shards: int, world_size: int, num_workers: int) -> None:
-    need = world_size * max(1, num_workers)
-    if num_shards < need:
-        raise ValueError(
-            f"data.train has {num_shards} shard(s) but {world_size} rank(s) x {max(1, num_workers)} worker(s) "
-            f"= {need} readers: lower data.num_workers or write smaller shards (data_tools build --shard-size)"
-        )

@@ -7,7 +7,11 @@ rank's batch ``n`` comes from worker ``n % W``.
 **Epoch mode** (``data.mode=epoch``). Each epoch the shards of all sources are put in an order seeded
 by ``(seed, epoch)`` and their samples concatenated (``N`` positions). The sequence is cut into
 ``R * W`` equal contiguous ranges of ``L = floor(N / (R*W*B)) * B`` samples, in node-then-worker
-order, so each reader opens only the shards its range touches (at most two readers share a shard).
+order, so each reader opens only the shards its range touches (with at least as many shards as
+readers, at most two readers share a shard). Fewer shards than readers is fine -- an img2dataset
+build of CC3M has ~330 shards for 64 GPUs x 8 workers -- a shard's samples are then split between
+several readers, each skipping to its own range (local files seek past the members before it;
+remote ones are streamed up to it).
 Every rank therefore takes ``W * L / B`` steps per epoch and sees every sample of its ranges exactly
 once; the ``N - R*W*L < R*W*B`` samples at the end are the dropped remainder (logged as
 ``dropped_remainder`` in ``skipped``). Each reader also owns an equal slice of that remainder as

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import math
 import types
 import typing
 from dataclasses import asdict
@@ -124,17 +125,38 @@ def default_preprocess_cfg(model_cfg: dict) -> dict:
     return asdict(PreprocessCfg(size=model_cfg["vision_cfg"]["image_size"]))
 
 
-def instantiate(model_cfg: dict, load_text_weights: bool) -> nn.Module:
+def instantiate(model_cfg: dict, load_text_weights: bool, nonscalar_logit_scale: bool = False) -> nn.Module:
     """An open_clip ``CLIP`` or ``CustomTextCLIP`` from a config dict (as open_clip's factory does).
     ``load_text_weights`` loads the HF text tower's pretrained weights (training from scratch);
-    when a full checkpoint follows, only its config is needed."""
+    when a full checkpoint follows, only its config is needed. ``nonscalar_logit_scale``: the scale
+    and bias as 1-element vectors (FSDP refuses 0-dim parameters); saved weights are always 0-dim
+    (:func:`scalar_logits`), so the config written beside them does not carry it."""
     cfg = copy.deepcopy(model_cfg)
     hf = is_hf_text(cfg)
     if hf:
         cfg["text_cfg"]["hf_model_pretrained"] = load_text_weights
     custom = cfg.pop("custom_text", False) or hf
     cls = open_clip.CustomTextCLIP if custom else open_clip.CLIP
+    if nonscalar_logit_scale:
+        cfg["nonscalar_logit_scale"] = True
     return cls(**cfg)
+
+
+LOGIT_KEYS = ("logit_scale", "logit_bias")
+
+
+def scalar_logits(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict with the logit scale and bias as 0-dim tensors (open_clip's layout), whatever
+    the prefix (``clip.`` in checkpoints) and whether the model was built with vectors for FSDP."""
+    return {k: v.reshape(()) if k.rsplit(".", 1)[-1] in LOGIT_KEYS and v.numel() == 1 else v
+            for k, v in state_dict.items()}
+
+
+def fit_logits(state_dict: dict[str, torch.Tensor], module: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with the logit scale and bias shaped like ``module``'s (0-dim or 1-element)."""
+    own = dict(module.named_parameters())
+    return {k: v.reshape(own[k].shape) if k.rsplit(".", 1)[-1] in LOGIT_KEYS and k in own and v.numel() == 1 else v
+            for k, v in state_dict.items()}
 
 
 def make_tokenizer(model_cfg: dict):
@@ -190,11 +212,16 @@ class DualEncoder(nn.Module):
     equals ``encode_text(tokens)`` exactly, without running the transformer.
     """
 
-    def __init__(self, clip: nn.Module, text_from_targets: bool = False, lock_text: bool = False):
+    def __init__(self, clip: nn.Module, text_from_targets: bool = False, lock_text: bool = False,
+                 max_logit_scale: float | None = None):
         super().__init__()
         self.clip = clip
         self.text_from_targets = text_from_targets
         self.lock_text = lock_text
+        # the trainer also clamps the parameter after each step (as open_clip_train does); the
+        # clamp here holds where that one cannot reach the weights the optimizer keeps (DeepSpeed's
+        # fp32 master copy): a no-op for a scale within bounds, and the same gradient there
+        self.max_log_scale = math.log(max_logit_scale) if max_logit_scale else None
 
     def train(self, mode: bool = True) -> DualEncoder:
         super().train(mode)
@@ -214,11 +241,14 @@ class DualEncoder(nn.Module):
             text_features = F.normalize(self.clip.text.proj(target_embeddings.to(image_features.dtype)), dim=-1)
         else:
             text_features = encode_text_trimmed(self.clip, tokens)
+        scale, bias = self.clip.logit_scale, self.clip.logit_bias
+        if self.max_log_scale is not None:
+            scale = scale.clamp(0, self.max_log_scale)
         return {
             "image_features": image_features,
             "text_features": text_features,
-            "logit_scale": self.clip.logit_scale.exp(),
-            "logit_bias": self.clip.logit_bias,
+            "logit_scale": scale.exp().reshape(()),  # 0-dim also when built as a vector for FSDP
+            "logit_bias": bias.reshape(()) if bias is not None else None,
         }
 
 
@@ -268,14 +298,14 @@ def _load_pretrained(clip: nn.Module, pretrained: str, arch: str | None) -> None
         else:
             raise ValueError(f"model.pretrained={pretrained}: no {MODEL_WEIGHTS} (checkpoint) or "
                              "open_clip_model.safetensors (export) in it")
-        missing, unexpected = clip.load_state_dict(sd, strict=False)
+        missing, unexpected = clip.load_state_dict(fit_logits(sd, clip), strict=False)
         if unexpected or [m for m in missing if not m.startswith("text.transformer.")]:
             raise ValueError(f"model.pretrained={pretrained}: weights do not fit model.arch (missing "
                              f"{missing[:3]}, unexpected {unexpected[:3]})")
         return
     if p.is_file():
         if p.suffix == ".safetensors":
-            clip.load_state_dict(load_file(p), strict=False)
+            clip.load_state_dict(fit_logits(load_file(p), clip), strict=False)
         else:
             open_clip.load_checkpoint(clip, str(p), strict=False, weights_only=True)
         return
@@ -299,10 +329,14 @@ def build_dual_encoder(
     lock_image: bool = False,
     lock_image_unlocked_groups: int = 0,
     grad_checkpointing: bool = False,
+    nonscalar_logit_scale: bool = False,
+    max_logit_scale: float | None = None,
 ) -> DualEncoder:
-    """The model to train. ``init_logit_*`` come from the objective's declared preferences."""
+    """The model to train. ``init_logit_*`` come from the objective's declared preferences;
+    ``nonscalar_logit_scale`` for FSDP (:func:`instantiate`); ``max_logit_scale``: the forward uses
+    the scale clamped to ``[1, max]``."""
     model_cfg = with_logit_init(model_cfg, init_logit_scale, init_logit_bias)
-    clip = instantiate(model_cfg, load_text_weights=pretrained is None)
+    clip = instantiate(model_cfg, load_text_weights=pretrained is None, nonscalar_logit_scale=nonscalar_logit_scale)
     if pretrained is not None:
         _load_pretrained(clip, pretrained, arch)
     if lock_text:
@@ -311,7 +345,8 @@ def build_dual_encoder(
         clip.lock_image_tower(unlocked_groups=lock_image_unlocked_groups, freeze_bn_stats=True)
     if grad_checkpointing:
         clip.set_grad_checkpointing(True)
-    return DualEncoder(clip, text_from_targets=text_from_targets, lock_text=lock_text and not lock_text_unlocked_layers)
+    return DualEncoder(clip, text_from_targets=text_from_targets, lock_text=lock_text and not lock_text_unlocked_layers,
+                       max_logit_scale=max_logit_scale)
 
 
 # ---------------------------------------------------------------- loading trained models

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -14,14 +15,21 @@ from typing import Any
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, set_seed
+from accelerate.utils import set_seed
 from open_clip.transform import PreprocessCfg, image_transform_v2
 
-from mmpretrain.checkpoint import Resume, check_resume, choose_resume, load_objective_state, read_train_state
+from mmpretrain.checkpoint import (
+    Resume,
+    check_layout,
+    check_resume,
+    choose_resume,
+    load_objective_state,
+    read_train_state,
+)
 from mmpretrain.config import ConfigError, ExperimentConfig, flat_config, resolve_schedule, to_yaml
 from mmpretrain.data.decode import SampleDecoder
 from mmpretrain.data.manifest import provenance_record
-from mmpretrain.data.plan import StreamPlan, check_shard_count
+from mmpretrain.data.plan import StreamPlan
 from mmpretrain.data.sidecar import EMB_SUFFIX, INDEX, attach_embeddings, load_rows
 from mmpretrain.data.sources import Source, resolve_sources
 from mmpretrain.data.stream import StreamPosition, TrainStream, make_loader
@@ -32,7 +40,7 @@ from mmpretrain.losses import WeightedObjective, build_objective
 from mmpretrain.models import factory
 from mmpretrain.models.target_encoder import choose_target_source, load_target_encoder
 from mmpretrain.observe import numeric
-from mmpretrain.run_files import JsonlLog, RunFolder, provenance
+from mmpretrain.run_files import TRAIN_STATE, JsonlLog, RunFolder, provenance
 from mmpretrain.schedule import Schedule, param_groups
 from mmpretrain.train.state import Run, TrainState
 
@@ -55,11 +63,27 @@ class Model:
     preprocess_cfg: dict
 
 
+def on_cpu() -> bool:
+    """Whether accelerate is to run on the CPU (no GPU here). tests/scripts/gpu_engine_on_cpu.py
+    replaces it to drive accelerate's FSDP and DeepSpeed paths on CPU gloo ranks."""
+    return not torch.cuda.is_available()
+
+
 def make_accelerator(cfg: ExperimentConfig) -> Accelerator:
-    if cfg.train.precision == "fp16" and not torch.cuda.is_available():  # accelerate's loss scaling needs one
+    cpu = on_cpu()
+    if cfg.train.precision == "fp16" and cpu:  # accelerate's loss scaling needs one
         raise ConfigError("train.precision=fp16 needs a GPU; on a CPU use train.precision=bf16 (autocast) or no")
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION")  # the accelerate config's mixed_precision
+    wanted = "no" if cfg.train.precision == "fp32" else cfg.train.precision
+    if launched and launched != wanted and os.environ.get("RANK", "0") == "0":
+        print(f"note: train.precision={cfg.train.precision} decides the precision; the accelerate config's "
+              f"mixed_precision={launched} is not used (set train.precision={launched} for it)", file=sys.stderr)
+    engine = engine_requested()
+    if engine and cpu:  # with cpu=True accelerate would silently train without the engine
+        raise ConfigError(f"the accelerate config asks for {engine}, which needs GPUs; this machine has none. "
+                          "Launch with configs/accelerate/cpu-2proc.yaml (gloo data parallelism) on a CPU")
     try:
-        return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.train.precision,
+        return Accelerator(cpu=cpu, mixed_precision=cfg.train.precision,
                            log_with=list(cfg.train.log_with) or None, project_dir=str(cfg.resolved_run_dir))
     except (ValueError, ImportError) as e:
         if cfg.train.log_with and any(t in str(e).lower() for t in (*cfg.train.log_with, "tracker")):
@@ -67,25 +91,86 @@ def make_accelerator(cfg: ExperimentConfig) -> Accelerator:
         raise ConfigError(f"accelerate cannot start this run (train.precision={cfg.train.precision}): {e}") from None
 
 
+def configure_engine(cfg: ExperimentConfig, acc: Accelerator) -> None:
+    """What FSDP and DeepSpeed need from this config, set or refused before the model is prepared.
+
+    DeepSpeed: accelerate fills ``train_micro_batch_size_per_gpu: auto`` from a prepared DataLoader,
+    which this trainer does not use (its stream is its own), so the batch sizes are set from
+    ``data.batch_size``; the engine clips gradients itself, so its ``gradient_clipping`` is set from
+    ``optim.grad_clip_norm`` (a config file's value would silently win otherwise); its ``backward``
+    also steps the optimizer, so micro-batches (several backwards per step) and engine-side gradient
+    accumulation are refused."""
+    engine = str(acc.distributed_type).rsplit(".", 1)[-1]
+    if engine != "DEEPSPEED":
+        return
+    if cfg.train.micro_batch_size:
+        raise ConfigError(f"train.micro_batch_size={cfg.train.micro_batch_size} under DeepSpeed: its backward steps "
+                          "the optimizer, so gradient caching or accumulation would take one optimizer step per "
+                          "micro-batch. Remove train.micro_batch_size, or launch with configs/accelerate/fsdp.yaml "
+                          "or 8gpu.yaml (DDP), where micro-batches are exact")
+    ds = acc.state.deepspeed_plugin.deepspeed_config
+    if ds.get("gradient_accumulation_steps", 1) not in (1, "auto"):
+        raise ConfigError(f"the DeepSpeed config sets gradient_accumulation_steps={ds['gradient_accumulation_steps']}: "
+                          "this trainer takes one optimizer step per batch; set it to 1 (a bigger batch: "
+                          "data.batch_size, or train.micro_batch_size under DDP/FSDP)")
+    ds.update(train_micro_batch_size_per_gpu=cfg.data.batch_size, gradient_accumulation_steps=1,
+              train_batch_size=cfg.data.batch_size * acc.num_processes,
+              gradient_clipping=cfg.optim.grad_clip_norm or 0.0)
+
+
+def input_dtype(acc: Accelerator) -> torch.dtype | None:
+    """The dtype the batch's images must have: DeepSpeed under bf16/fp16 holds the weights in it and
+    runs without autocast; every other engine takes fp32 images (autocast casts)."""
+    if str(acc.distributed_type).endswith("DEEPSPEED") and acc.mixed_precision in ("bf16", "fp16"):
+        return torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float16
+    return None
+
+
+def engine_requested() -> str | None:
+    """``FSDP`` or ``DeepSpeed`` when ``accelerate launch`` was given such a config (its environment)."""
+    for var, name in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
+        if os.environ.get(var, "false").lower() == "true":
+            return name
+    return None
+
+
 def decide_resume(acc: Accelerator, cfg: ExperimentConfig, files: RunFolder) -> tuple[Any, dict[str, Any] | None]:
     """Rank 0 picks the checkpoint to resume from (verifying it, skipping damaged ones) and every rank
-    takes its choice, so that all resume from the same one -- or all refuse with the same message."""
+    takes its choice, so that all resume from the same step -- or all refuse with the same message.
+
+    A checkpoint inside the run folder travels as its name and each rank reads it from its own
+    ``run_dir`` (the same path on a shared filesystem; each node's copy where run folders are per
+    node). A rank that does not see it complete -- a node-local or lagging filesystem -- would resume
+    from another step, or fail inside ``load_state``: every rank refuses instead, naming the rank."""
     choice: list[Any] = [None]
     if acc.is_main_process:
         try:
             chosen = choose_resume(cfg.resume, files, acc.num_processes)
-            choice = [(str(chosen.ckpt) if chosen.ckpt else None, chosen.exact, chosen.notes, None)]
+            where = None
+            if chosen.ckpt is not None:
+                inside = chosen.ckpt.resolve().parent == files.checkpoints.resolve()
+                where = ("name", chosen.ckpt.name) if inside else ("path", str(chosen.ckpt))
+            choice = [(where, chosen.exact, chosen.notes, None)]
         except ConfigError as e:
             choice = [(None, True, [], str(e))]
     if acc.num_processes > 1:
-        broadcast_object_list(choice)
-    path, exact, notes, error = choice[0]
+        torch.distributed.broadcast_object_list(choice, src=0)
+    where, exact, notes, error = choice[0]
     if error:
         raise ConfigError(error)
+    path = None if where is None else files.checkpoints / where[1] if where[0] == "name" else Path(where[1])
+    if acc.num_processes > 1:
+        seen = [None] * acc.num_processes
+        torch.distributed.all_gather_object(seen, path is None or (path / TRAIN_STATE).is_file())
+        if not all(seen):
+            ranks = [r for r, ok in enumerate(seen) if not ok]
+            raise ConfigError(f"rank 0 resumes from {path}, which rank(s) {ranks} do not see (no {TRAIN_STATE} "
+                              "there): run_dir must be on a filesystem every node shares, with the same path "
+                              "(or copy the checkpoint to every node's run_dir, or give resume=PATH that all see)")
     if acc.is_main_process:
         for note in notes:
             print(f"warning: {note}", file=sys.stderr)
-    chosen = Resume(Path(path), read_train_state(Path(path)), exact, notes) if path else Resume()
+    chosen = Resume(path, read_train_state(path), exact, notes) if path else Resume()
     return check_resume(chosen, files, cfg.model_dump(mode="json"))
 
 
@@ -93,13 +178,22 @@ def build_data(cfg: ExperimentConfig, world_size: int) -> Data:
     try:
         sources = resolve_sources(cfg.data.train, cfg.data.weights)
         attach_embeddings(sources, cfg.data.embeddings)
-        check_shard_count(sum(len(s.urls) for s in sources), world_size, cfg.data.num_workers)
         total = sum(s.num_samples for s in sources)
         plan = StreamPlan(sources, cfg.data.mode, cfg.seed, world_size, max(1, cfg.data.num_workers),
                           cfg.data.batch_size, cfg.data.num_samples or total, cfg.data.shuffle_buffer)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None
     return Data(sources, plan, resolve_schedule(cfg, plan.steps_per_epoch, plan.num_samples, world_size))
+
+
+def shard_sharing_note(plan: StreamPlan) -> str | None:
+    """A note when readers outnumber shards in epoch mode: ranges then start inside shards, and a
+    remote shard is streamed from its start by each reader whose range it holds."""
+    if plan.mode != "epoch" or plan.readers <= len(plan.urls):
+        return None
+    return (f"{plan.readers} readers ({plan.world_size} rank(s) x {plan.workers} worker(s)) share {len(plan.urls)} "
+            f"shard(s): each reads its own range of them (remote shards are streamed up to the range; write smaller "
+            "shards with data_tools build --shard-size to read less)")
 
 
 def build_objective_for(cfg: ExperimentConfig, rank: int, world_size: int, dataset_size: int) -> WeightedObjective:
@@ -180,6 +274,7 @@ def build_model(cfg: ExperimentConfig, objective: WeightedObjective) -> Model:
             model_cfg, pretrained=m.pretrained, arch=m.arch, lock_text=m.lock_text, text_from_targets=m.text_from_targets,
             lock_text_unlocked_layers=m.lock_text_unlocked_layers, lock_image=m.lock_image,
             lock_image_unlocked_groups=m.lock_image_unlocked_groups, grad_checkpointing=m.grad_checkpointing,
+            nonscalar_logit_scale=engine_requested() is not None, max_logit_scale=cfg.train.max_logit_scale,
         )
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
@@ -292,7 +387,11 @@ def setup(cfg: ExperimentConfig) -> Run:
     rank, world = acc.process_index, acc.num_processes
     files = RunFolder(cfg.resolved_run_dir)
     ckpt, saved = decide_resume(acc, cfg, files)
+    if ckpt is not None:
+        check_layout(ckpt, acc.distributed_type)
     data = build_data(cfg, world)
+    if acc.is_main_process and (note := shard_sharing_note(data.plan)):
+        print(f"note: {note}", file=sys.stderr)
     objective = build_objective_for(cfg, rank, world, data.schedule.num_samples)
     targets = target_source(cfg, data.sources, objective)
     if targets == "online":
@@ -307,6 +406,7 @@ def setup(cfg: ExperimentConfig) -> Run:
     state = TrainState(build_position(data.plan, saved, rank, world, ckpt))
     loader = build_loader(cfg, data, model, objective, targets, state.position if saved is not None else None, rank,
                           acc.device.type == "cuda", embedding_dim(cfg, data.sources, targets, model))
+    configure_engine(cfg, acc)
     module, optimizer = acc.prepare(model.module, make_optimizer(cfg, model.module))
     objective.to(acc.device)
     target_encoder = load_target_encoder(cfg.targets.model, str(acc.device)) if targets == "online" else None
@@ -323,7 +423,7 @@ def setup(cfg: ExperimentConfig) -> Run:
               preprocess=image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=False),
               tokenizer=factory.make_tokenizer(model.model_cfg), target_encoder=target_encoder,
               trim_text=factory.trims_text(model.module.clip), evaluator=evaluator,
-              log=JsonlLog(files.log, records) if acc.is_main_process else None)
+              log=JsonlLog(files.log, records) if acc.is_main_process else None, input_dtype=input_dtype(acc))
     if cfg.train.log_with:
         hparams = {k: str(v) if isinstance(v, (list, dict)) else v
                    for k, v in flat_config(cfg.model_dump(mode="json")).items() if v is not None}

@@ -53,6 +53,8 @@ def train_step(run: Run, batch: dict[str, Any]) -> StepResult:
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     images = batch["images"].to(acc.device, non_blocking=True)
+    if run.input_dtype is not None:  # DeepSpeed's bf16/fp16 weights; accelerate's autocast is off there
+        images = images.to(run.input_dtype)
     targets = batch.get("target_embeddings")
     if run.target_encoder is not None:
         with torch.no_grad():
@@ -109,7 +111,7 @@ def fit(run: Run) -> dict[str, Any]:
         end = st.step == sched.total_steps
         diag = bool(sched.diagnostics_every) and (st.step % sched.diagnostics_every == 0 or end)
         if st.step % cfg.train.log_every == 0 or end or diag:
-            rec = log_record(run, res.terms, res.loss, res.terms["lr"], last, st.step - last_step)
+            rec = log_record(run, res.terms, res.loss, res.terms["lr"], last, st.step - last_step, res.logit_scale)
             if diag:
                 rec.update(diagnostics(run, res.features))
             last, last_step = time.time(), st.step
@@ -134,7 +136,7 @@ def fit(run: Run) -> dict[str, Any]:
 def checkpoint(run: Run) -> Path:
     """Save a checkpoint of the current step (every rank); ``hub.push_every``: upload it (main process)."""
     ckpt = save_checkpoint(run.accelerator, run.files, run.state.step, train_state_json(run), run.cfg.train.keep_last,
-                           run.objective.state_dict())
+                           run.objective.state_dict(), run.model)
     hub = run.cfg.hub
     if hub is not None and hub.push_every and run.state.step % hub.push_every == 0 and run.accelerator.is_main_process:
         push_folder(ckpt, hub.repo_id, private=hub.private, revision=hub.revision,

@@ -1,6 +1,10 @@
-"""Run 5 training steps (mmpretrain.train.train_step) in float64 on fixed in-memory data whose global
+"""Run training steps (mmpretrain.train.train_step) in float64 on fixed in-memory data whose global
 batch is split across the launched processes; write the mean losses and a weight checksum to argv[1].
-Run by tests/test_train.py under ``accelerate launch`` with 2 CPU processes and as 1 process."""
+Run by tests/test_train.py under ``accelerate launch`` with 2 and 4 CPU processes and as 1 process.
+
+argv[2] ``all``: besides clip + soft_target (5 steps), every objective alone (3 steps each), with and
+without gradient caching: the model's parameters, logit scale and bias included, must follow the
+one-process run."""
 
 from __future__ import annotations
 
@@ -9,8 +13,21 @@ import sys
 
 import torch
 
+OBJECTIVES = {
+    "clip+soft_target": "[{name: clip}, {name: soft_target, weight: 0.5}]",
+    "clip_local": "[{name: clip, options: {local_loss: true}}]",
+    "clip_no_grad_gather": "[{name: clip, options: {gather_with_grad: false}}]",
+    "clip_tiled": "[{name: clip, options: {chunk_size: 4}}]",
+    "sigmoid": "[{name: sigmoid}]",
+    "sigmoid_within_view": "[{name: sigmoid, options: {within_view_negatives: true}}]",
+    "soft_target_image_image": "[{name: clip}, {name: soft_target, options: {space: image_image}}]",
+    "cwcl": "[{name: cwcl}]",
+    "vrn": "[{name: clip}, {name: vrn, weight: 0.5}]",
+    "align_uniform": "[{name: align_uniform}]",
+}
 
-def main(out_path: str) -> None:
+
+def main(out_path: str, which: str = "default") -> None:
     from accelerate import Accelerator
 
     from mmpretrain.config import load_config
@@ -27,20 +44,29 @@ def main(out_path: str) -> None:
     tokens = torch.randint(1, 1000, (steps, G, 32), generator=g)
     targets = torch.nn.functional.normalize(torch.randn(steps, G, 24, generator=g, dtype=torch.float64), dim=-1)
     results = {}
-    for name, extra in {"whole": [], "grad_cache": ["train.micro_batch_size=4"]}.items():
-        if name == "grad_cache" and G // world <= 4:
-            extra = ["train.micro_batch_size=2"]
+    runs = [(mode, "clip+soft_target", 5) for mode in ("whole", "grad_cache")]
+    if which == "all":
+        runs += [(mode, obj, 3) for obj in list(OBJECTIVES)[1:] for mode in ("whole", "grad_cache")]
+    for mode, objective_name, n_steps in runs:
+        extra = [] if mode == "whole" else ["train.micro_batch_size=4" if G // world > 4 else "train.micro_batch_size=2"]
         cfg = load_config(None, ["data.train=x", f"data.batch_size={G // world}", "train.steps=5", "train.epochs=null",
                                  "optim.warmup_steps=1", "optim.lr=1e-3", "optim.grad_clip_norm=1.0",
-                                 "loss=[{name: clip}, {name: soft_target, weight: 0.5}]", *extra])
+                                 f"loss={OBJECTIVES[objective_name]}", *extra])
         torch.manual_seed(0)
         # no dropout or patch dropout: the towers are deterministic, so the per-rank random streams
         # (each rank its own masks, tests/test_ddp.py) cannot make 2 processes differ from 1 here
         model_cfg = resolve_model_cfg("mmpt-tiny-vit", None, {"vision_cfg": {"layers": 2, "patch_dropout": 0.0},
                                                               "text_cfg": {"layers": 2}})
-        model = build_dual_encoder(model_cfg, lock_text=False, text_from_targets=False).double()
         objective = build_objective([t.model_dump() for t in cfg.loss], rank=rank, world_size=world,
                                     dataset_size=1000)
+        # as the trainer's build_model: the objective's initial scale and bias, unused ones frozen
+        model = build_dual_encoder(model_cfg, lock_text=False, text_from_targets=False,
+                                   init_logit_scale=objective.init_logit_scale,
+                                   init_logit_bias=objective.init_logit_bias).double()
+        if not objective.uses_logit_scale:
+            model.clip.logit_scale.requires_grad_(False)
+        if model.clip.logit_bias is not None and not objective.uses_logit_bias:
+            model.clip.logit_bias.requires_grad_(False)
         opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr)
         model, opt = acc.prepare(model, opt)
         schedule = Schedule(total_steps=5, warmup_steps=1, steps_per_epoch=5, num_samples=1000, global_batch_size=G,
@@ -48,19 +74,22 @@ def main(out_path: str) -> None:
         run = Run(cfg, acc, model, objective, opt, None, schedule, None, TrainState(position=None))
         model.train()
         losses = []
-        for step in range(steps):
+        for step in range(n_steps):
             rows = slice(rank * G // world, (rank + 1) * G // world)
             out = train_step(run, {"images": images[step, rows], "tokens": tokens[step, rows],
                                    "target_embeddings": targets[step, rows], "epoch": 0})
             run.state.step += 1
             losses.append(acc.reduce(out.loss.reshape(1).double(), reduction="mean").item())
         w = acc.unwrap_model(model)
+        name = mode if objective_name == "clip+soft_target" else f"{mode}/{objective_name}"
         results[name] = {"losses": losses,
                          "weights": float(sum(p.detach().double().abs().sum() for p in w.parameters()))}
+        del run, model, opt, w
+        acc.free_memory()  # the accelerator keeps every prepared model and optimizer otherwise (~1 GB per run on 4 ranks)
     if acc.is_main_process:
         with open(out_path, "w") as f:
             json.dump(results, f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

@@ -1,0 +1,191 @@
+"""FSDP and DeepSpeed ZeRO-2 on 2 CPU gloo ranks, through ``accelerate launch`` with the shipped configs.
+
+accelerate refuses both engines without a GPU; tests/scripts/gpu_engine_on_cpu.py changes only its
+backend choice (gloo) and device (CPU), so accelerate's own FSDP wrapping, ``save_state`` and
+``load_state``, and DeepSpeed's engine and ZeRO optimizer (its CPU accelerator) drive the unchanged
+trainer. In fp32 every engine must give DDP's losses on the same data, resume bit-identically,
+evaluate with full weights and export what it trained.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import run_cli
+
+ROOT = Path(__file__).resolve().parent.parent
+WRAPPER = str(ROOT / "tests/scripts/gpu_engine_on_cpu.py")
+DEEPSPEED = ROOT / ".cache/deepspeed"  # `make deepspeed` (make test-slow) installs it there
+STEPS = 6
+COMMON = [f"train.steps={STEPS}", "train.epochs=null", "data.batch_size=16", "data.num_workers=1",
+          "data.shuffle_buffer=32", "optim.warmup_steps=1", "train.log_every=1", "train.save_every=3",
+          "train.progress=false", "train.log_with=[]"]
+
+
+def launch(openmoji: Path, run_dir: Path, config: str, launch_args: list[str], *overrides: str,
+           env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """2 ranks: ``config`` cpu-2proc (DDP, no wrapper) or an engine config through the wrapper."""
+    engine = [] if config == "cpu-2proc" else [WRAPPER]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / f"configs/accelerate/{config}.yaml"), "--num_processes", "2", *launch_args, *engine,
+           *([] if engine else ["-m"]), "mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"),
+           f"data.train={openmoji / 'train'}", f"run_dir={run_dir}", *COMMON, *overrides]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    assert r.returncode == 0 or not check, r.stderr[-4000:]
+    return r
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "log.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+def weights(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / f"checkpoints/step_{step:08d}/model.safetensors")
+
+
+FSDP = ["--mixed_precision", "no", "--fsdp_sync_module_states", "false"]
+
+
+@pytest.fixture(scope="module")
+def ddp(openmoji, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("engines") / "ddp"
+    launch(openmoji, run_dir, "cpu-2proc", [])
+    return run_dir
+
+
+def check_engine_run(ddp: Path, run_dir: Path, resumed: Path, rel: float = 1e-5) -> None:
+    """``run_dir``: 6 steps, checkpoints at 3 and 6; ``resumed``: the same run continued from step 3."""
+    a, b = losses(ddp), losses(run_dir)
+    assert sorted(b) == list(range(1, STEPS + 1))
+    for step in b:  # the engine trains what DDP trains
+        assert b[step] == pytest.approx(a[step], rel=rel), step
+    wd, we = weights(ddp), weights(run_dir)
+    assert we.keys() == wd.keys() and we["clip.logit_scale"].shape == ()  # open_clip's layout, 0-dim scale
+    for k in wd:
+        torch.testing.assert_close(we[k], wd[k], rtol=1e-4, atol=1e-5, msg=k)
+    assert not torch.equal(we["clip.visual.conv1.weight"], weights(ddp, 3)["clip.visual.conv1.weight"])
+    # the resume from step 3 continues bit for bit
+    c = losses(resumed)
+    assert [c[s] for s in range(4, STEPS + 1)] == [b[s] for s in range(4, STEPS + 1)]
+    wr = weights(resumed)
+    assert all(torch.equal(wr[k], we[k]) for k in we)
+
+
+def test_fsdp_trains_as_ddp_resumes_exactly_evaluates_and_exports(openmoji, ddp, tmp_path):
+    """The shipped fsdp.yaml (FSDP1, use_orig_params, full state dict): logit scale and bias built as
+    1-element vectors (FSDP1 refuses 0-dim parameters), evaluation inside summon_full_params, the
+    gathered model.safetensors beside accelerate's pytorch_model_fsdp.bin."""
+    run_dir, resumed = tmp_path / "fsdp", tmp_path / "resumed"
+    evals = f"eval={{every: {STEPS}, datasets: [{openmoji}], tasks: [zeroshot_classification], num_workers: 0}}"
+    launch(openmoji, run_dir, "fsdp", FSDP, evals)
+    ckpt = run_dir / f"checkpoints/step_{STEPS:08d}"
+    assert {"pytorch_model_fsdp.bin", "optimizer.bin", "model.safetensors"} <= {p.name for p in ckpt.iterdir()}
+    launch(openmoji, resumed, "fsdp", FSDP, f"resume={run_dir / 'checkpoints/step_00000003'}")
+    check_engine_run(ddp, run_dir, resumed)
+    # a checkpoint of another engine is refused before any work (accelerate would fail inside load_state)
+    r = launch(openmoji, tmp_path / "cross", "fsdp", FSDP, f"resume={ddp / 'checkpoints/step_00000003'}", check=False)
+    assert r.returncode != 0 and "was written under DDP, this launch uses FSDP" in r.stderr, r.stderr[-2000:]
+    assert "model.pretrained=" in r.stderr and not (tmp_path / "cross").exists()
+
+    # the evaluation during training (sharded model, full weights gathered) = the CLI's on the checkpoint
+    during = json.loads((run_dir / "results.json").read_text())["results"][0]
+    out = tmp_path / "after.json"
+    r = run_cli("mmpretrain.eval", "--model", str(run_dir), "--dataset", str(openmoji), "--task",
+                "zeroshot_classification", "--output", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    after = json.loads(out.read_text())["results"][0]
+    assert during["n"] == after["n"] > 0
+    assert during["metrics"] == pytest.approx(after["metrics"], abs=1 / after["n"])  # at most one image flips
+
+    # the export holds the trained weights, with open_clip's 0-dim logit scale
+    r = run_cli("mmpretrain.export", str(run_dir), "--out", str(tmp_path / "export"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    exported = load_file(tmp_path / "export/open_clip_model.safetensors")
+    trained = weights(run_dir)
+    assert exported["logit_scale"].shape == ()
+    clip = {k.removeprefix("clip."): v for k, v in trained.items() if k.startswith("clip.")}
+    assert exported.keys() == clip.keys() and all(torch.equal(exported[k], v) for k, v in clip.items())
+
+
+@pytest.mark.slow
+def test_fsdp2_sharded_state_with_grad_cache(openmoji, ddp, tmp_path):
+    """FSDP2 (fully_shard) with sharded checkpoints (pytorch_model_fsdp_0/, optimizer_0/) and gradient
+    caching (micro-batches of 4): DDP's losses, a bit-identical resume from the sharded save; bf16
+    trains and evaluates; DDP's own 2-rank resume is bit-identical too."""
+    args = [*FSDP, "--fsdp_version", "2", "--fsdp_state_dict_type", "SHARDED_STATE_DICT"]
+    run_dir, resumed = tmp_path / "fsdp2", tmp_path / "resumed"
+    launch(openmoji, run_dir, "fsdp", args, "train.micro_batch_size=4")
+    names = {p.name for p in (run_dir / "checkpoints/step_00000003").iterdir()}
+    assert {"pytorch_model_fsdp_0", "optimizer_0", "model.safetensors"} <= names
+    launch(openmoji, resumed, "fsdp", args, "train.micro_batch_size=4",
+           f"resume={run_dir / 'checkpoints/step_00000003'}")
+    check_engine_run(ddp, run_dir, resumed)
+
+    # bf16: FSDP's mixed-precision policy gathers bf16 parameters; evaluation runs under autocast
+    bf16 = tmp_path / "bf16"
+    evals = f"eval={{every: 3, datasets: [{openmoji}], tasks: [zeroshot_classification], num_workers: 0}}"
+    launch(openmoji, bf16, "fsdp", [a for a in args if a not in ("--mixed_precision", "no")], "train.precision=bf16",
+           "train.steps=3", evals)
+    b, a = losses(bf16), losses(ddp)
+    assert all(b[s] == pytest.approx(a[s], rel=0.03) for s in (1, 2, 3))
+    assert json.loads((bf16 / "results.json").read_text())["results"][0]["n"] > 0
+
+    # and DDP itself: a resume from step 3 continues bit for bit under 2 ranks
+    again = tmp_path / "ddp_resumed"
+    launch(openmoji, again, "cpu-2proc", [], f"resume={ddp / 'checkpoints/step_00000003'}")
+    assert [losses(again)[s] for s in (4, 5, 6)] == [losses(ddp)[s] for s in (4, 5, 6)]
+    assert all(torch.equal(v, weights(ddp)[k]) for k, v in weights(again).items())
+
+
+def deepspeed_env() -> dict[str, str]:
+    if not (DEEPSPEED / "deepspeed").is_dir():
+        pytest.skip(f"deepspeed is not installed in {DEEPSPEED}: `make deepspeed` (make test-slow runs it)")
+    return {"PYTHONPATH": str(DEEPSPEED), "DS_ACCELERATOR": "cpu"}
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_trains_as_ddp_resumes_exactly_and_refuses_micro_batches(openmoji, ddp, tmp_path):
+    """The shipped deepspeed-zero2.yaml on DeepSpeed's CPU accelerator: batch sizes set from
+    data.batch_size (no prepared DataLoader), fp32 master weights written as model.safetensors,
+    DDP's losses in fp32; bf16 trains (images cast to the engine's bf16 weights, the objective in
+    fp32); micro-batches are refused before any work (the engine steps in every backward)."""
+    env = deepspeed_env()
+    run_dir, resumed = tmp_path / "ds", tmp_path / "resumed"
+    launch(openmoji, run_dir, "deepspeed-zero2", [], env=env)
+    assert (run_dir / "checkpoints/step_00000003/pytorch_model").is_dir()
+    launch(openmoji, resumed, "deepspeed-zero2", [], f"resume={run_dir / 'checkpoints/step_00000003'}", env=env)
+    check_engine_run(ddp, run_dir, resumed)
+
+    bf16 = tmp_path / "bf16"
+    evals = f"eval={{every: 3, datasets: [{openmoji}], tasks: [zeroshot_classification], num_workers: 0}}"
+    launch(openmoji, bf16, "deepspeed-zero2", [], "train.precision=bf16", "train.steps=3", evals, env=env)
+    assert json.loads((bf16 / "results.json").read_text())["results"][0]["n"] > 0
+    assert (bf16 / "checkpoints/step_00000003/pytorch_model/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
+    b, a = losses(bf16), losses(ddp)
+    assert all(b[s] == pytest.approx(a[s], rel=0.03) for s in (1, 2, 3))
+    assert weights(bf16, 3)["clip.visual.conv1.weight"].dtype == torch.float32
+
+    r = launch(openmoji, tmp_path / "micro", "deepspeed-zero2", [], "train.micro_batch_size=4", env=env, check=False)
+    assert r.returncode != 0 and "train.micro_batch_size=4 under DeepSpeed: its backward steps" in r.stderr
+    assert not (tmp_path / "micro" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("var,name", [("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")])
+def test_an_engine_on_a_machine_without_gpus_is_refused(openmoji, tmp_path, monkeypatch, var, name):
+    """Without the wrapper accelerate would run plain data parallelism under a DeepSpeed config on a
+    CPU (and stop inside FSDP's plugin under an FSDP one): refused up front, naming the fix."""
+    monkeypatch.setenv(var, "true")
+    r = run_cli("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
+                f"run_dir={tmp_path / 'run'}", *COMMON)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"asks for {name}, which needs GPUs" in r.stderr and "cpu-2proc.yaml" in r.stderr
+    assert not (tmp_path / "run").exists()
