@@ -189,3 +189,24 @@ def test_an_engine_on_a_machine_without_gpus_is_refused(openmoji, tmp_path, monk
     assert r.returncode == 2, r.stderr[-2000:]
     assert f"asks for {name}, which needs GPUs" in r.stderr and "cpu-2proc.yaml" in r.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_fsdp_region_weighting_as_ddp_and_resumes_exactly(openmoji, tmp_path):
+    """The stateful objective (bank, k-means centroids on rank 0 broadcast, Hedge weights) under FSDP1:
+    DDP's losses and region weights, and a bit-identical resume with its objective state restored."""
+    regions = ("loss=[{name: regions, options: {base: clip, scales: [2, 4], bank_size: 48, refresh_every: 2, "
+               "warmup_steps: 2}}]")
+    ddp, fsdp, resumed = tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "resumed"
+    launch(openmoji, ddp, "cpu-2proc", [], regions)
+    launch(openmoji, fsdp, "fsdp", FSDP, regions)
+    assert (fsdp / "checkpoints/step_00000003/objective.safetensors").is_file()
+    launch(openmoji, resumed, "fsdp", FSDP, regions, f"resume={fsdp / 'checkpoints/step_00000003'}")
+    check_engine_run(ddp, fsdp, resumed)
+    log = [json.loads(x) for x in (fsdp / "log.jsonl").read_text().splitlines()]
+    want = [json.loads(x) for x in (ddp / "log.jsonl").read_text().splitlines()]
+    assert [r["regions/active"] for r in log] == [0, 0, 1, 1, 1, 1]
+    assert log[-1]["regions/m4/q_entropy"] == pytest.approx(want[-1]["regions/m4/q_entropy"], rel=1e-5)
+    a = load_file(fsdp / f"checkpoints/step_{STEPS:08d}/objective.safetensors")
+    b = load_file(resumed / f"checkpoints/step_{STEPS:08d}/objective.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
