@@ -240,3 +240,24 @@ def test_tar_reader_agrees_with_webdatasets(tmp_path, fmt, gz):
     assert len(ref) == 5
     assert list(read_tar(str(path))) == ref
     assert list(read_tar(str(path), skip=3)) == ref[3:]
+
+
+def test_uint8_batches_normalised_on_the_device_equal_the_float_ones(openmoji):
+    """The trainer's loader ends its augmentation in PILToTensor (uint8: a quarter of the shared-memory
+    and host-to-device bytes) and normalises on the device: bit for bit the float transform's batch,
+    random crops included."""
+    from open_clip.transform import PreprocessCfg, image_transform_v2
+
+    from mmpretrain.data.decode import split_normalize
+
+    full = image_transform_v2(PreprocessCfg(size=32), is_train=True)
+    uint8, normalize = split_normalize(full)
+    plan = _plan(openmoji / "train")
+    floats = _batches(plan, 1, 3, decoder=SampleDecoder(full, embeddings="require", draft_size=32))
+    small = _batches(plan, 1, 3, decoder=SampleDecoder(uint8, embeddings="require", draft_size=32))
+    for f, u in zip(floats, small):
+        assert u["images"].dtype == torch.uint8 and f["images"].dtype == torch.float32
+        assert u["images"].nbytes * 4 == f["images"].nbytes
+        assert u["keys"] == f["keys"]
+        assert torch.equal(normalize(u["images"]), f["images"])
+    assert split_normalize(lambda im: im)[1] is None  # any other transform is kept whole

@@ -40,6 +40,38 @@ def parse_label(raw: dict[str, Any]) -> int | None:
     return None
 
 
+class DeviceNormalize:
+    """The last two steps of open_clip's image transform (to a float tensor in [0, 1], then
+    ``Normalize(mean, std)``) on the device instead of in the loader: the loader's batches stay uint8,
+    a quarter of the bytes through shared memory and host-to-device copies. The same operations in
+    the same order as torchvision's (``float().div(255)``, then ``sub(mean).div(std)``), so the
+    result is bit for bit the loader-side transform's."""
+
+    def __init__(self, mean, std):
+        self.mean = torch.as_tensor(mean, dtype=torch.float32).reshape(-1, 1, 1)
+        self.std = torch.as_tensor(std, dtype=torch.float32).reshape(-1, 1, 1)
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        if images.dtype != torch.uint8:
+            return images  # already normalised (a loader that kept the float transform)
+        if self.mean.device != images.device:
+            self.mean, self.std = self.mean.to(images.device), self.std.to(images.device)
+        return images.to(torch.float32).div(255).sub_(self.mean).div_(self.std)
+
+
+def split_normalize(transform) -> tuple[Any, DeviceNormalize | None]:
+    """``(uint8 transform, DeviceNormalize)`` from an open_clip/torchvision ``Compose`` ending in
+    to-tensor + ``Normalize``: the augmentation stays in the loader and ends in ``PILToTensor``;
+    ``(transform, None)`` for any other transform (kept whole)."""
+    from torchvision import transforms as T
+
+    steps = list(getattr(transform, "transforms", []))
+    if len(steps) < 2 or not isinstance(steps[-1], T.Normalize) or type(steps[-2]).__name__ not in (
+            "ToTensor", "MaybeToTensor"):
+        return transform, None
+    return T.Compose([*steps[:-2], T.PILToTensor()]), DeviceNormalize(steps[-1].mean, steps[-1].std)
+
+
 def augmentation_seed(seed: int, epoch: int, key: str) -> int:
     h = hashlib.blake2b(f"{seed}:{epoch}:{key}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & (2**63 - 1)

@@ -27,7 +27,7 @@ from mmpretrain.checkpoint import (
     read_train_state,
 )
 from mmpretrain.config import ConfigError, ExperimentConfig, flat_config, resolve_schedule, to_yaml
-from mmpretrain.data.decode import SampleDecoder
+from mmpretrain.data.decode import SampleDecoder, split_normalize
 from mmpretrain.data.manifest import provenance_record
 from mmpretrain.data.plan import StreamPlan
 from mmpretrain.data.sidecar import EMB_SUFFIX, INDEX, attach_embeddings, load_rows
@@ -307,8 +307,9 @@ def build_loader(cfg: ExperimentConfig, data: Data, model: Model, objective: Wei
                  position: StreamPosition | None, rank: int, pin_memory: bool, embedding_dim: int | None = None):
     """The rank's loader; ``position``: a restored stream position to continue from (None: the start)."""
     size = model.preprocess_cfg["size"]
+    transform, _ = split_normalize(image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=True))
     decoder = SampleDecoder(
-        image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=True),
+        transform,
         embeddings={"shards": "require", "online": "ignore", "none": "ignore"}[targets],
         draft_size=max(size) if isinstance(size, (list, tuple)) else size,
         labels=objective.needs_labels, embedding_dim=embedding_dim, max_pixels=cfg.data.max_pixels,
@@ -423,7 +424,8 @@ def setup(cfg: ExperimentConfig) -> Run:
               preprocess=image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=False),
               tokenizer=factory.make_tokenizer(model.model_cfg), target_encoder=target_encoder,
               trim_text=factory.trims_text(model.module.clip), evaluator=evaluator,
-              log=JsonlLog(files.log, records) if acc.is_main_process else None, input_dtype=input_dtype(acc))
+              log=JsonlLog(files.log, records) if acc.is_main_process else None, input_dtype=input_dtype(acc),
+              normalize=split_normalize(image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=True))[1])
     if cfg.train.log_with:
         hparams = {k: str(v) if isinstance(v, (list, dict)) else v
                    for k, v in flat_config(cfg.model_dump(mode="json")).items() if v is not None}

@@ -53,6 +53,8 @@ def train_step(run: Run, batch: dict[str, Any]) -> StepResult:
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     images = batch["images"].to(acc.device, non_blocking=True)
+    if run.normalize is not None:  # the loader's uint8 images, normalised here (a quarter of the bytes)
+        images = run.normalize(images)
     if run.input_dtype is not None:  # DeepSpeed's bf16/fp16 weights; accelerate's autocast is off there
         images = images.to(run.input_dtype)
     targets = batch.get("target_embeddings")
