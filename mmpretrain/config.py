@@ -190,6 +190,12 @@ class TrainConfig(_Strict):
     nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="a non-finite loss: stop (exit 1, no checkpoint of the bad state) or skip the step")
     max_skipped_steps: int = Field(10, ge=0, description="with nonfinite=skip: stop after this many skipped steps")
+    compile: bool = Field(False, description="torch.compile the model (accelerate's dynamo plugin, inductor); "
+                          "trimmed text lengths are bucketed (text_length_multiple) so it compiles a few shapes")
+    channels_last: bool = Field(False, description="model and images in channels-last memory format (faster "
+                                "convolutions on GPUs: ResNet towers, a ViT's patch embedding)")
+    text_length_multiple: int = Field(8, gt=0, description="trimmed text batches are cut to a multiple of this many "
+                                      "tokens (at most the context): few shapes for torch.compile, tensor-core sizes")
 
     @field_validator("precision")
     @classmethod

@@ -80,13 +80,13 @@ def full_weights(accelerator, model: torch.nn.Module):
     they are gathered for the duration (no write-back), FSDP1 with ``summon_full_params``, FSDP2 with
     ``unshard``/``reshard``; every other engine holds them whole already. Under bf16/fp16, FSDP's
     mixed-precision policy (its buffers, FSDP2's gathered parameters) and DeepSpeed's weights are half
-    precision while the evaluator's images are fp32: the calls run under autocast there (DDP's
-    evaluation stays fp32)."""
+    precision while the evaluator's images are fp32: the calls run under autocast there, and on GPUs
+    under bf16/fp16 whatever the engine (as open_clip_train evaluates); DDP on a CPU stays fp32."""
     inner = accelerator.unwrap_model(model)
     engine = str(accelerator.distributed_type).rsplit(".", 1)[-1]
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(accelerator.mixed_precision))
     with ExitStack() as stack:
-        if engine in ("FSDP", "DEEPSPEED") and half is not None:
+        if half is not None and (engine in ("FSDP", "DEEPSPEED") or accelerator.device.type == "cuda"):
             stack.enter_context(torch.autocast(accelerator.device.type, dtype=half))
         if engine == "FSDP":
             from torch.distributed.fsdp import FSDPModule

@@ -76,12 +76,12 @@ def test_at_most_one_host_sync_per_step(openmoji, tmp_path, name, monkeypatch):
     syncs, copies = SyncCounter(), CopyCounter()
     trim = loop.trim_padding
 
-    def on_the_host(tokens):
+    def on_the_host(tokens, *args):
         # the loader's own batch, before its copy to the device: its reads do not wait for a GPU
         assert tokens is batch["tokens"]
         syncs.paused = copies.paused = True
         try:
-            return trim(tokens)
+            return trim(tokens, *args)
         finally:
             syncs.paused = copies.paused = False
 

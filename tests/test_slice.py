@@ -65,6 +65,10 @@ def test_trimmed_text_padding_is_the_same_function(arch):
     g_full, = torch.autograd.grad((full * torch.arange(full.shape[1])).sum(), w)
     g_trim, = torch.autograd.grad((trimmed * torch.arange(full.shape[1])).sum(), w)
     torch.testing.assert_close(g_trim, g_full, rtol=1e-9, atol=1e-12)
+    # bucketed to a multiple of 8 (train.text_length_multiple, for torch.compile): the same function
+    bucketed = trim_padding(tokens, 8)
+    assert bucketed.shape[1] % 8 == 0 and short.shape[1] <= bucketed.shape[1] < short.shape[1] + 8
+    torch.testing.assert_close(encode_text_trimmed(model.clip, bucketed), full, rtol=1e-9, atol=1e-12)
 
 
 def test_slice_train_eval_export_reload(openmoji, tmp_path):

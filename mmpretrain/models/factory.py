@@ -175,12 +175,14 @@ def trims_text(clip: nn.Module) -> bool:
             and getattr(clip, "text_pool_type", None) in ("argmax", "eos", "first"))
 
 
-def trim_padding(tokens: torch.Tensor) -> torch.Tensor:
+def trim_padding(tokens: torch.Tensor, multiple: int = 1) -> torch.Tensor:
     """``tokens (B, L)`` without the trailing columns that are padding (0) in every row (at least one
-    column). Call it on the host copy of the batch: the length is data-dependent, and read on a device it
-    would be a synchronisation every step."""
+    column), the length rounded up to a ``multiple`` (at most ``L``): few distinct shapes, so that
+    ``torch.compile`` does not recompile for every batch. Call it on the host copy of the batch: the
+    length is data-dependent, and read on a device it would be a synchronisation every step."""
     used = (tokens != 0).any(0).nonzero()
-    return tokens[:, : int(used.max()) + 1 if used.numel() else 1]
+    length = int(used.max()) + 1 if used.numel() else 1
+    return tokens[:, : min(-(-length // multiple) * multiple, tokens.shape[1])]
 
 
 def encode_text_trimmed(clip: nn.Module, tokens: torch.Tensor) -> torch.Tensor:

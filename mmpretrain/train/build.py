@@ -82,8 +82,17 @@ def make_accelerator(cfg: ExperimentConfig) -> Accelerator:
     if engine and cpu:  # with cpu=True accelerate would silently train without the engine
         raise ConfigError(f"the accelerate config asks for {engine}, which needs GPUs; this machine has none. "
                           "Launch with configs/accelerate/cpu-2proc.yaml (gloo data parallelism) on a CPU")
+    if not cpu:  # open_clip_train's GPU defaults: TF32 matmuls and convolutions, cuDNN autotuning
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+    dynamo = None
+    if cfg.train.compile:
+        from accelerate.utils import TorchDynamoPlugin
+
+        dynamo = TorchDynamoPlugin(backend="inductor")
     try:
-        return Accelerator(cpu=cpu, mixed_precision=cfg.train.precision,
+        return Accelerator(cpu=cpu, mixed_precision=cfg.train.precision, dynamo_plugin=dynamo,
                            log_with=list(cfg.train.log_with) or None, project_dir=str(cfg.resolved_run_dir))
     except (ValueError, ImportError) as e:
         if cfg.train.log_with and any(t in str(e).lower() for t in (*cfg.train.log_with, "tracker")):
@@ -408,6 +417,8 @@ def setup(cfg: ExperimentConfig) -> Run:
     loader = build_loader(cfg, data, model, objective, targets, state.position if saved is not None else None, rank,
                           acc.device.type == "cuda", embedding_dim(cfg, data.sources, targets, model))
     configure_engine(cfg, acc)
+    if cfg.train.channels_last:
+        model.module.to(memory_format=torch.channels_last)
     module, optimizer = acc.prepare(model.module, make_optimizer(cfg, model.module))
     objective.to(acc.device)
     target_encoder = load_target_encoder(cfg.targets.model, str(acc.device)) if targets == "online" else None

@@ -55,6 +55,8 @@ def train_step(run: Run, batch: dict[str, Any]) -> StepResult:
     images = batch["images"].to(acc.device, non_blocking=True)
     if run.normalize is not None:  # the loader's uint8 images, normalised here (a quarter of the bytes)
         images = run.normalize(images)
+    if cfg.train.channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
     if run.input_dtype is not None:  # DeepSpeed's bf16/fp16 weights; accelerate's autocast is off there
         images = images.to(run.input_dtype)
     targets = batch.get("target_embeddings")
@@ -66,7 +68,7 @@ def train_step(run: Run, batch: dict[str, Any]) -> StepResult:
     tokens = batch.get("tokens")
     if tokens is not None:
         if run.trim_text:  # on the host copy: the used length read on the device would be a sync
-            tokens = trim_padding(tokens)
+            tokens = trim_padding(tokens, cfg.train.text_length_multiple)
         tokens = tokens.to(acc.device, non_blocking=True)
     res = forward_backward(acc, run.model, run.objective, images, tokens, targets,
                            micro_batch=cfg.train.micro_batch_size, mode=cfg.train.micro_batch_mode,
