@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from mmpretrain.config import ConfigError, config_defaults, flat_config
+from mmpretrain.launch import engine_of
 from mmpretrain.run_files import MODEL_WEIGHTS, OBJECTIVE_STATE, TRAIN_STATE, RunFolder
 
 __all__ = ["Resume", "check_layout", "check_resume", "checkpoint_layout", "choose_resume", "load_objective_state",
@@ -46,7 +47,7 @@ def save_checkpoint(accelerator, files: RunFolder, step: int, train_state: dict[
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp), safe_serialization=True)
-    engine = str(accelerator.distributed_type).rsplit(".", 1)[-1]
+    engine = engine_of(accelerator.distributed_type)
     if engine in ("FSDP", "DEEPSPEED") and model is not None:
         write_full_weights(accelerator, model, tmp, engine)
     accelerator.wait_for_everyone()  # no rank may still be writing into tmp when it is renamed
@@ -101,7 +102,7 @@ def checkpoint_layout(ckpt: Path) -> str:
 def check_layout(ckpt: Path, distributed_type: Any) -> None:
     """A resume reads the engine's own files: refuse a checkpoint another engine wrote, with the fix."""
     have = checkpoint_layout(ckpt)
-    want = LAYOUTS.get(str(distributed_type).rsplit(".", 1)[-1], "DDP")
+    want = LAYOUTS.get(engine_of(distributed_type), "DDP")
     if have != want:
         raise ConfigError(f"{ckpt} was written under {have}, this launch uses {want}: resume it with the same "
                           f"accelerate config, or start a new run_dir from its weights (model.pretrained={ckpt})")

@@ -13,6 +13,7 @@ import torch
 from accelerate.utils import gather_object
 
 from mmpretrain.eval import merge_results
+from mmpretrain.launch import engine_of
 from mmpretrain.metrics import GEOMETRY_ROWS, geometry, similarity_histogram
 
 
@@ -83,7 +84,7 @@ def full_weights(accelerator, model: torch.nn.Module):
     precision while the evaluator's images are fp32: the calls run under autocast there, and on GPUs
     under bf16/fp16 whatever the engine (as open_clip_train evaluates); DDP on a CPU stays fp32."""
     inner = accelerator.unwrap_model(model)
-    engine = str(accelerator.distributed_type).rsplit(".", 1)[-1]
+    engine = engine_of(accelerator.distributed_type)
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(accelerator.mixed_precision))
     with ExitStack() as stack:
         if half is not None and (engine in ("FSDP", "DEEPSPEED") or accelerator.device.type == "cuda"):

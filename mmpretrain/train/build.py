@@ -36,6 +36,7 @@ from mmpretrain.data.stream import StreamPosition, TrainStream, make_loader
 from mmpretrain.data.tar import UNREADABLE, read_tar
 from mmpretrain.eval import Evaluator, load_task_data
 from mmpretrain.hub_cache import offline, require_model
+from mmpretrain.launch import engine_of
 from mmpretrain.losses import WeightedObjective, build_objective
 from mmpretrain.models import factory
 from mmpretrain.models.target_encoder import choose_target_source, load_target_encoder
@@ -109,8 +110,7 @@ def configure_engine(cfg: ExperimentConfig, acc: Accelerator) -> None:
     ``optim.grad_clip_norm`` (a config file's value would silently win otherwise); its ``backward``
     also steps the optimizer, so micro-batches (several backwards per step) and engine-side gradient
     accumulation are refused."""
-    engine = str(acc.distributed_type).rsplit(".", 1)[-1]
-    if engine != "DEEPSPEED":
+    if engine_of(acc.distributed_type) != "DEEPSPEED":
         return
     if cfg.train.micro_batch_size:
         raise ConfigError(f"train.micro_batch_size={cfg.train.micro_batch_size} under DeepSpeed: its backward steps "
@@ -130,7 +130,7 @@ def configure_engine(cfg: ExperimentConfig, acc: Accelerator) -> None:
 def input_dtype(acc: Accelerator) -> torch.dtype | None:
     """The dtype the batch's images must have: DeepSpeed under bf16/fp16 holds the weights in it and
     runs without autocast; every other engine takes fp32 images (autocast casts)."""
-    if str(acc.distributed_type).endswith("DEEPSPEED") and acc.mixed_precision in ("bf16", "fp16"):
+    if engine_of(acc.distributed_type) == "DEEPSPEED" and acc.mixed_precision in ("bf16", "fp16"):
         return torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float16
     return None
 
@@ -313,10 +313,12 @@ def build_position(plan: StreamPlan, saved: dict[str, Any] | None, rank: int, wo
 
 
 def build_loader(cfg: ExperimentConfig, data: Data, model: Model, objective: WeightedObjective, targets: str,
-                 position: StreamPosition | None, rank: int, pin_memory: bool, embedding_dim: int | None = None):
-    """The rank's loader; ``position``: a restored stream position to continue from (None: the start)."""
+                 position: StreamPosition | None, rank: int, pin_memory: bool, embedding_dim: int | None = None,
+                 transform=None):
+    """The rank's loader; ``position``: a restored stream position to continue from (None: the start);
+    ``transform``: the loader's image transform (default: open_clip's training transform)."""
     size = model.preprocess_cfg["size"]
-    transform, _ = split_normalize(image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=True))
+    transform = transform or image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=True)
     decoder = SampleDecoder(
         transform,
         embeddings={"shards": "require", "online": "ignore", "none": "ignore"}[targets],
@@ -414,8 +416,10 @@ def setup(cfg: ExperimentConfig) -> Run:
     # that dropout and patch dropout draw different masks on different ranks (seed + rank)
     set_seed(cfg.seed, device_specific=True)
     state = TrainState(build_position(data.plan, saved, rank, world, ckpt))
+    # the augmentation ends in uint8 in the loader; normalisation runs on the device (train_step)
+    transform, normalize = split_normalize(image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=True))
     loader = build_loader(cfg, data, model, objective, targets, state.position if saved is not None else None, rank,
-                          acc.device.type == "cuda", embedding_dim(cfg, data.sources, targets, model))
+                          acc.device.type == "cuda", embedding_dim(cfg, data.sources, targets, model), transform)
     configure_engine(cfg, acc)
     if cfg.train.channels_last:
         model.module.to(memory_format=torch.channels_last)
@@ -436,7 +440,7 @@ def setup(cfg: ExperimentConfig) -> Run:
               tokenizer=factory.make_tokenizer(model.model_cfg), target_encoder=target_encoder,
               trim_text=factory.trims_text(model.module.clip), evaluator=evaluator,
               log=JsonlLog(files.log, records) if acc.is_main_process else None, input_dtype=input_dtype(acc),
-              normalize=split_normalize(image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=True))[1])
+              normalize=normalize)
     if cfg.train.log_with:
         hparams = {k: str(v) if isinstance(v, (list, dict)) else v
                    for k, v in flat_config(cfg.model_dump(mode="json")).items() if v is not None}
