@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM ?= false
 DATA := data/openmoji
 RUN := runs/demo
 
-.PHONY: setup demo test test-slow deepspeed lint bench clean
+.PHONY: setup demo test test-slow deepspeed gpu-bundle lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -49,6 +49,11 @@ $(DEEPSPEED)/.installed: constraints.txt
 	touch $@
 
 deepspeed: setup $(DEEPSPEED)/.installed
+
+# What scripts/bench_gpu.sh needs on a GPU machine without network: cp312 wheels of the dependencies its
+# image lacks and a small embedded OpenMoji dataset, ~20 MiB in .cache/gpu-bundle (PyPI access here).
+gpu-bundle: setup
+	PYTHON=$(BIN)/python scripts/gpu_bundle.sh .cache/gpu-bundle
 
 # Every scripts/bench_*.py, each writing bench_results/<name>.json (slow: minutes each), then the README table.
 bench: setup

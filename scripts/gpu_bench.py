@@ -1,20 +1,35 @@
-"""GPU bench (run by scripts/bench_gpu.sh on a lent GPU machine): training-step throughput and
-model-FLOP utilisation of ViT-B-16 in bf16, our step against open_clip_train's, and the tiled loss's
-memory at B = 65,536 against open_clip's ClipLoss. Synthetic data (random images and tokens on the
-device): the machine has no network and the point is the step, not the loader.
+"""The GPU check (run by scripts/bench_gpu.sh on a lent GPU machine; its CPU path runs in `make test`).
 
-    python scripts/gpu_bench.py --out DIR [--model ViT-B-16] [--batch-size 256] [--steps 30]
-                                [--loss-batch 65536] [--device cuda] [--peak-tflops 989]
+    python scripts/gpu_bench.py --data DATASET_DIR --out DIR [--sections step loss_memory precision kmeans engines]
+                                [--model ViT-B-16] [--batch-size 256] [--steps 20] [--repeats 3]
+                                [--loss-batch 65536] [--device cuda] [--precision bf16] [--peak-tflops N]
+                                [--engines ddp fsdp deepspeed] [--engine-wrapper SCRIPT]
 
-Steps compared (same model, batch, bf16 autocast, AdamW settings):
-  open_clip_train: its ``train_one_epoch`` body -- ``open_clip.loss.ClipLoss``, ``torch.optim.AdamW``
-                   with torch's default kernel, logit-scale clamp;
-  ours:            ``mmpretrain.grad_cache.forward_backward`` with ``LOSSES["clip"]``, fused AdamW,
-                   the same clamp (what ``mmpretrain.train.train_step`` runs).
-MFU = model FLOPs per step (counted by torch.utils.flop_counter on one step, forward + backward) x
-steps/s / --peak-tflops (H100/H200 dense bf16: 989). Loss memory: peak CUDA memory of one forward +
-backward of the loss alone on random unit features (D = 512), minus the inputs.
-Writes DIR/gpu.json. ``--device cpu`` with a tiny model runs the same code (a test does).
+DATASET_DIR is a built and embedded dataset folder (``train/``, ``test/``; ``make gpu-bundle`` builds one
+small enough to carry). Sections, each written into DIR/gpu.json as soon as it finishes (so a run cut
+short keeps what it measured):
+
+  step         our real ``train_step`` -- the project's own ``setup`` (loader, uint8 batch normalised on
+               the device, text trimmed on the host, fused AdamW, clamp) -- against open_clip_train's
+               ``train_one_epoch`` body (``ClipLoss``, torch's default AdamW, float batch normalised on
+               the host, full-length tokens) on the same batch; samples/s and model-FLOP utilisation:
+               FLOPs of one step counted by torch.utils.flop_counter (each side its own: ours runs the
+               trimmed text) x steps/s / the device's dense bf16 peak (from its name, or --peak-tflops).
+               Blocks alternate (ABBA) and the median of --repeats is reported.
+  loss_memory  peak CUDA memory above the inputs of one forward + backward of the tiled clip objective
+               and of open_clip's ClipLoss at B = --loss-batch (D = 512).
+  precision    every objective (tiled and not) under autocast in bf16 against fp32 on the device: relative
+               error of value and feature gradient (scripts/precision_cases.py, the CPU test's cases).
+  kmeans       region weighting's k-means (mmpretrain.losses.clusters.kmeans: scikit-learn on the host)
+               against a deterministic torch Lloyd on the device, 16,384 x 1,024 at 5, 10 and 20 centroids,
+               warm-started as every refresh after the first is and cold: seconds and inertia.
+  engines      ``accelerate launch`` with configs/accelerate/{1gpu,fsdp,deepspeed-zero2}.yaml, 1 process:
+               train 6 steps (checkpoints at 3 and 6), resume to 8, ``mmpretrain.eval`` on the test split,
+               ``mmpretrain.export``; torch AdamW throughout (DeepSpeed wraps it in its ZeRO-2 optimizer).
+               --engine-wrapper runs the FSDP/DeepSpeed launches through a script (the CPU test passes
+               tests/scripts/gpu_engine_on_cpu.py, since accelerate refuses those engines without a GPU).
+
+``--device cpu`` with the tiny model runs every section's code (tests/test_gpu_bench.py).
 """
 
 from __future__ import annotations
@@ -22,115 +37,45 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+# dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device name; --peak-tflops overrides
+PEAKS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0,
+         "L4": 121.0, "A6000": 155.0, "4090": 165.0, "V100": 125.0}
+ENGINES = {"ddp": "1gpu", "fsdp": "fsdp", "deepspeed": "deepspeed-zero2"}
 
 
-def sync(device):
+def sync(device) -> None:
     import torch
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def step_fns(model_name: str, batch: int, device, pretrained_cfg_dir: Path | None, bf16: bool = True):
-    import open_clip
+def peak_tflops(device, override: float | None) -> tuple[float | None, str]:
+    if override is not None:
+        return override, "--peak-tflops"
+    if device.type != "cuda":
+        return None, "cpu: no peak"
     import torch
-    from open_clip.loss import ClipLoss as OpenClipLoss
 
-    from mmpretrain.grad_cache import forward_backward
-    from mmpretrain.losses import LOSSES
-
-    if pretrained_cfg_dir is not None:
-        open_clip.add_model_config(pretrained_cfg_dir)
-    cfg = open_clip.get_model_config(model_name)
-    size = cfg["vision_cfg"]["image_size"]
-    ctx = cfg["text_cfg"].get("context_length", 77)
-    vocab = cfg["text_cfg"].get("vocab_size", 49408)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    images = torch.randn(batch, 3, size, size, generator=g).to(device)
-    tokens = torch.randint(1, vocab, (batch, ctx), generator=g).to(device)
-    from contextlib import nullcontext
-
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
-
-    def build(fused: bool):
-        torch.manual_seed(0)
-        model = open_clip.create_model(model_name, device=device, output_dict=True)
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.1,
-                                fused=True if fused else None)
-        return model, opt
-
-    model_a, opt_a = build(False)
-    loss_a = OpenClipLoss()
-
-    def theirs():
-        opt_a.zero_grad()
-        with autocast():
-            out = model_a(images, tokens)
-            total = loss_a(out["image_features"], out["text_features"], out["logit_scale"])
-        total.backward()
-        opt_a.step()
-        with torch.no_grad():
-            model_a.logit_scale.clamp_(0, math.log(100))
-
-    model_b, opt_b = build(True)
-    loss_b = LOSSES["clip"]()
-
-    class Acc:  # the accelerator surface forward_backward uses, without a process group
-        @staticmethod
-        def autocast():
-            return autocast()
-
-        @staticmethod
-        def backward(x):
-            x.backward()
-
-        @staticmethod
-        def unwrap_model(m):
-            return m
-
-    class Towers(torch.nn.Module):  # mmpretrain's DualEncoder call signature
-        def __init__(self, clip):
-            super().__init__()
-            self.clip = clip
-
-        def forward(self, images, tokens=None, target_embeddings=None):
-            out = self.clip(images, tokens)
-            return {"image_features": out["image_features"], "text_features": out["text_features"],
-                    "logit_scale": out["logit_scale"]}
-
-    towers = Towers(model_b)
-
-    def ours():
-        forward_backward(Acc, towers, loss_b, images, tokens)
-        opt_b.step()
-        opt_b.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            model_b.logit_scale.clamp_(0, math.log(100))
-
-    def flops() -> int:
-        from torch.utils.flop_counter import FlopCounterMode
-
-        with FlopCounterMode(display=False) as counter:
-            with autocast():
-                out = model_a(images, tokens)
-                total = loss_a(out["image_features"], out["text_features"], out["logit_scale"])
-            total.backward()
-        opt_a.zero_grad()
-        return counter.get_total_flops()
-
-    return theirs, ours, flops
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAKS.items():
+        if key in name:
+            return value, f"{name} (table)"
+    return None, f"{name}: not in the table (pass --peak-tflops)"
 
 
-def time_steps(fn, steps: int, device) -> float:
-    for _ in range(3):
-        fn()
+def timed(fn, steps: int, device) -> float:
     sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -139,84 +84,386 @@ def time_steps(fn, steps: int, device) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def loss_memory(batch: int, device, dim: int = 512, chunk: int = 4096) -> dict:
+def count_flops(fn) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+# ------------------------------------------------------------------------------------------------ step
+
+def step_section(args, device, data: Path) -> dict:
+    import open_clip
+    import torch
+    from open_clip.loss import ClipLoss as OpenClipLoss
+
+    from mmpretrain.config import load_config
+    from mmpretrain.data.decode import DeviceNormalize
+    from mmpretrain.models.factory import trim_padding
+    from mmpretrain.train import setup, train_step
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(ROOT / "configs/tiny/clip.yaml", [
+            f"data.train={data / 'train'}", f"model.arch={args.model}", f"data.batch_size={args.batch_size}",
+            "train.epochs=null", "train.steps=1000000", "train.progress=false", "train.log_with=[]",
+            f"train.precision={args.precision}", f"run_dir={tmp}/ours", "data.num_workers=2", "optim.warmup_steps=1"])
+        run = setup(cfg)
+        batch = next(iter(run.loader))
+        acc = run.accelerator
+
+        def ours():
+            train_step(run, batch)
+            run.state.step += 1
+
+        # open_clip_train's step on the same samples: the batch as its loader gives it (float, normalised
+        # on the host), full-length tokens, ClipLoss, torch's default AdamW, the clamp
+        images = batch["images"]
+        if run.normalize is not None:  # the same normalisation, on the host (a copy: run.normalize stays on the device)
+            images = DeviceNormalize(run.normalize.mean.cpu(), run.normalize.std.cpu())(images)
+        tokens = batch["tokens"]
+        if device.type == "cuda":
+            images, tokens = images.pin_memory(), tokens.pin_memory()
+        torch.manual_seed(0)
+        model = open_clip.create_model(args.model, device=device, output_dict=True)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.1)
+        loss_fn = OpenClipLoss()
+
+        def autocast():
+            return torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
+
+        def forward_backward_theirs():
+            im, tok = images.to(device, non_blocking=True), tokens.to(device, non_blocking=True)
+            with autocast():
+                out = model(im, tok)
+                total = loss_fn(out["image_features"], out["text_features"], out["logit_scale"])
+            total.backward()
+
+        def theirs():
+            opt.zero_grad(set_to_none=True)
+            forward_backward_theirs()
+            opt.step()
+            with torch.no_grad():
+                model.logit_scale.clamp_(0, math.log(100))
+
+        flops = {"open_clip_train": count_flops(forward_backward_theirs)}
+        opt.zero_grad(set_to_none=True)
+        fns = {"open_clip_train": theirs, "ours": ours}
+        for fn in fns.values():  # warm-up (cuDNN/cuBLAS autotuning, allocator)
+            for _ in range(3):
+                fn()
+        flops["ours"] = count_flops(ours)
+        blocks: list[dict[str, float]] = []
+        for r in range(args.repeats):
+            order = ("open_clip_train", "ours") if r % 2 == 0 else ("ours", "open_clip_train")
+            blocks.append({k: timed(fns[k], args.steps, device) for k in order})
+            print(f"step, block {r + 1}: " + ", ".join(f"{k} {args.batch_size / v:.0f} samples/s"
+                                                       for k, v in blocks[-1].items()), flush=True)
+        med = {k: sorted(b[k] for b in blocks)[len(blocks) // 2] for k in fns}
+        peak, peak_source = peak_tflops(device, args.peak_tflops)
+        mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        res = {"model": args.model, "batch_size": args.batch_size, "precision": args.precision,
+               "tokens_open_clip": int(batch["tokens"].shape[1]), "engine": str(acc.distributed_type),
+               "tokens_ours": int(trim_padding(batch["tokens"], cfg.train.text_length_multiple).shape[1]
+                                  if run.trim_text else batch["tokens"].shape[1]),
+               "text_length_used": int((batch["tokens"] != 0).sum(1).max()),
+               "flops_per_step": flops, "samples_per_s": {k: round(args.batch_size / v, 1) for k, v in med.items()},
+               "ms_per_step": {k: round(v * 1000, 2) for k, v in med.items()},
+               "speedup": round(med["open_clip_train"] / med["ours"], 4),
+               "blocks": [round(b["open_clip_train"] / b["ours"], 4) for b in blocks],
+               "peak_tflops": peak, "peak_source": peak_source, "max_memory_allocated": mem}
+        if peak:
+            res["mfu"] = {k: round(flops[k] / med[k] / (peak * 1e12), 4) for k in fns}
+    return res
+
+
+# ------------------------------------------------------------------------------------------ loss_memory
+
+def loss_memory_section(args, device, dim: int = 512, chunk: int = 4096) -> dict:
     import torch
     import torch.nn.functional as F
     from open_clip.loss import ClipLoss as OpenClipLoss
 
     from mmpretrain.losses import LOSSES
 
-    res = {}
+    res: dict = {"batch": args.loss_batch, "dim": dim, "chunk": chunk}
     for name, fn in (("ours_tiled", lambda x, y, s: LOSSES["clip"](chunk_size=chunk)(
                          image_features=x, text_features=y, logit_scale=s)["clip_loss"]),
                      ("open_clip", lambda x, y, s: OpenClipLoss()(x, y, s))):
-        x = F.normalize(torch.randn(batch, dim, device=device), dim=-1).requires_grad_()
-        y = F.normalize(torch.randn(batch, dim, device=device), dim=-1).requires_grad_()
+        g = torch.Generator().manual_seed(0)
+        x = F.normalize(torch.randn(args.loss_batch, dim, generator=g), dim=-1).to(device).requires_grad_()
+        y = F.normalize(torch.randn(args.loss_batch, dim, generator=g), dim=-1).to(device).requires_grad_()
         s = torch.tensor(14.3, device=device)
         try:
+            base = 0
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
                 base = torch.cuda.memory_allocated(device)
             t0 = time.perf_counter()
-            fn(x, y, s).backward()
+            loss = fn(x, y, s)
+            loss.backward()
             sync(device)
             dt = time.perf_counter() - t0
             peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
-            res[name] = {"peak_bytes_above_inputs": peak, "seconds": round(dt, 4)}
+            res[name] = {"peak_bytes_above_inputs": peak, "seconds": round(dt, 4), "loss": float(loss.detach()),
+                         "grad_norm": float(x.grad.norm())}
         except torch.OutOfMemoryError as e:
             res[name] = {"error": f"out of memory: {str(e)[:200]}"}
         del x, y
+    if "loss" in res["ours_tiled"] and "loss" in res["open_clip"]:
+        res["loss_rel_diff"] = abs(res["ours_tiled"]["loss"] - res["open_clip"]["loss"]) / abs(res["open_clip"]["loss"])
     return res
+
+
+# -------------------------------------------------------------------------------------------- precision
+
+def precision_section(args, device) -> dict:
+    import torch
+    from precision_cases import agreement, amp_cases, structured_batch
+
+    n, d, e = args.precision_batch, 256, 128
+    batch = structured_batch(n, d, e, device)
+    res = {"batch": n, "dim": d, "target_dim": e, "dtype": "bf16", "cases": {}}
+    for name, options, chunk in amp_cases(max(n // 4, 1)):
+        key = name + "".join(f" {k}={v}" for k, v in options.items()) + (f" chunk={chunk}" if chunk else "")
+        res["cases"][key] = {k: round(v, 6) for k, v in agreement(name, options, chunk, batch, torch.bfloat16).items()}
+    res["max_grad_rel"] = max(c["grad_rel"] for c in res["cases"].values())
+    res["max_loss_rel"] = max(c["loss_rel"] for c in res["cases"].values())
+    return res
+
+
+# ----------------------------------------------------------------------------------------------- kmeans
+
+def kmeans_torch(bank, m: int, init, iters: int, seed: int, tol: float = 1e-4):
+    """Lloyd's k-means in torch on ``bank``'s device, scikit-learn's stopping rule (centre shift² <= tol x
+    mean feature variance), k-means++ seeding from a CPU generator when ``init`` is None. Deterministic:
+    assignments by argmin, sums by a one-hot matrix product (no atomics)."""
+    import torch
+
+    x = bank.detach().float()
+    n = x.shape[0]
+    if init is None:
+        g = torch.Generator().manual_seed(seed)
+        idx = [int(torch.randint(n, (1,), generator=g))]
+        d2 = ((x - x[idx[0]]) ** 2).sum(1)
+        for _ in range(1, m):
+            p = d2.clamp_min(0).double().cpu()
+            j = int(torch.multinomial(p / p.sum(), 1, generator=g))
+            idx.append(j)
+            d2 = torch.minimum(d2, ((x - x[j]) ** 2).sum(1))
+        c = x[idx].clone()
+    else:
+        c = init.detach().float().clone()
+    threshold = tol * float(x.var(0).mean())
+    for _ in range(iters):
+        a = ((c * c).sum(1)[None] - 2 * x @ c.T).argmin(1)
+        onehot = torch.nn.functional.one_hot(a, m).to(x.dtype)
+        counts = onehot.sum(0)
+        new = torch.where(counts[:, None] > 0, (onehot.T @ x) / counts.clamp_min(1)[:, None], c)
+        shift = float(((new - c) ** 2).sum())
+        c = new
+        if shift <= threshold:
+            break
+    return c
+
+
+def kmeans_section(args, device) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from mmpretrain.losses.clusters import kmeans
+
+    n, d = args.kmeans_rows, args.kmeans_dim
+    g = torch.Generator().manual_seed(0)
+    centers = F.normalize(torch.randn(50, d, generator=g), dim=-1)
+    bank = F.normalize(centers[torch.randint(50, (n,), generator=g)] + 0.05 * torch.randn(n, d, generator=g), dim=-1)
+    bank = bank.to(device)
+
+    def inertia(c) -> float:
+        return float(torch.cdist(bank, c.to(bank)).pow(2).min(1).values.sum())
+
+    res: dict = {"rows": n, "dim": d, "iters": 20, "scales": {}}
+    for m in (5, 10, 20):
+        init = kmeans(bank[: n // 4], m, None, 20, 0)  # a warm start, as every refresh after the first
+        row = {}
+        for name, fn in (("sklearn", kmeans), ("torch", kmeans_torch)):
+            fn(bank, m, init, 20, 1)
+            ts = []
+            for _ in range(3):
+                sync(device)
+                t0 = time.perf_counter()
+                c = fn(bank, m, init, 20, 1)
+                sync(device)
+                ts.append(time.perf_counter() - t0)
+            sync(device)
+            t0 = time.perf_counter()
+            cold = fn(bank, m, None, 20, 1)
+            sync(device)
+            row[name] = {"warm_s": round(min(ts), 4), "warm_inertia": round(inertia(c), 3),
+                         "cold_s": round(time.perf_counter() - t0, 4), "cold_inertia": round(inertia(cold), 3)}
+        again = kmeans_torch(bank, m, init, 20, 1)
+        row["torch_repeatable"] = bool(torch.equal(again, kmeans_torch(bank, m, init, 20, 1)))
+        res["scales"][m] = row
+        print(f"kmeans m={m}: " + ", ".join(f"{k} warm {v['warm_s']} s" for k, v in row.items() if isinstance(v, dict)),
+              flush=True)
+    res["warm_speedup_torch"] = {m: round(r["sklearn"]["warm_s"] / r["torch"]["warm_s"], 3) for m, r in res["scales"].items()}
+    return res
+
+
+# ---------------------------------------------------------------------------------------------- engines
+
+def run_cmd(cmd: list[str], timeout: int) -> tuple[int, float, str]:
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+        return r.returncode, time.perf_counter() - t0, (r.stdout + r.stderr)[-2500:]
+    except subprocess.TimeoutExpired as e:
+        return 124, time.perf_counter() - t0, f"timed out after {timeout} s: {str(e.stderr)[-2000:]}"
+
+
+def engine_smoke(engine: str, args, data: Path, work: Path) -> dict:
+    run_dir = work / engine
+    wrapper = args.engine_wrapper if engine != "ddp" and args.engine_wrapper else None
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              str(ROOT / f"configs/accelerate/{ENGINES[engine]}.yaml"), "--num_processes", "1",
+              "--mixed_precision", "no" if args.precision == "fp32" else args.precision]
+    if engine == "fsdp" and args.device == "cpu":
+        launch += ["--fsdp_sync_module_states", "false"]  # it broadcasts from CUDA
+    launch += [wrapper] if wrapper else ["-m"]
+    common = ["mmpretrain.train", "--config", str(ROOT / "configs/tiny/soft_target.yaml"),
+              f"data.train={data / 'train'}", f"run_dir={run_dir}", "train.epochs=null", "data.batch_size=32",
+              "data.num_workers=1", "optim.warmup_steps=1", "train.log_every=1", "train.save_every=3",
+              "train.progress=false", "train.log_with=[]", f"train.precision={args.precision}"]
+    res: dict = {"config": f"configs/accelerate/{ENGINES[engine]}.yaml"}
+    stages = [("train", [*launch, *common, "train.steps=6"]),
+              ("resume", [*launch, *common, "train.steps=8"]),
+              ("eval", [sys.executable, "-m", "mmpretrain.eval", "--model", str(run_dir), "--dataset",
+                        str(data / "test"), "--task", "zeroshot_classification", "--output",
+                        str(run_dir / "results.json"), "--num_workers", "1"]),
+              ("export", [sys.executable, "-m", "mmpretrain.export", str(run_dir), "--out", str(run_dir / "export")])]
+    for stage, cmd in stages:
+        rc, dt, tail = run_cmd(cmd, args.stage_timeout)
+        res[stage] = {"rc": rc, "seconds": round(dt, 1)}
+        if rc != 0:
+            res[stage]["output_tail"] = tail
+            break
+        if stage == "resume":
+            res[stage]["resumed"] = "resumed from" in tail
+    log = run_dir / "log.jsonl"
+    if log.is_file():
+        recs = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+        res["losses"] = {r["step"]: round(r["loss"], 5) for r in recs if "loss" in r}
+    if (run_dir / "results.json").is_file():
+        res["acc1"] = next((v for k, v in _flat(json.loads((run_dir / "results.json").read_text())) if k.endswith("acc1")),
+                           None)
+    res["export_files"] = sorted(p.name for p in (run_dir / "export").iterdir()) if (run_dir / "export").is_dir() else []
+    res["ok"] = all(res.get(s, {}).get("rc") == 0 for s, _ in stages) and res["resume"].get("resumed", False)
+    return res
+
+
+def _flat(tree, prefix=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flat(v, f"{prefix}{k}/")
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from _flat(v, f"{prefix}{i}/")
+    else:
+        yield prefix.rstrip("/"), tree
+
+
+def engines_section(args, data: Path) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        res = {}
+        for engine in args.engines:
+            res[engine] = engine_smoke(engine, args, data, Path(tmp))
+            print(f"engine {engine}: {'ok' if res[engine]['ok'] else 'FAILED'} "
+                  + ", ".join(f"{s} {res[engine][s]['seconds']} s" for s in ("train", "resume", "eval", "export")
+                              if s in res[engine]), flush=True)
+    return res
+
+
+# ------------------------------------------------------------------------------------------------- main
+
+SECTIONS = ("step", "loss_memory", "precision", "kmeans", "engines")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True)
+    p.add_argument("--data", required=True, help="a built, embedded dataset folder (train/, test/)")
+    p.add_argument("--out", default=str(ROOT / "bench_results"))
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     p.add_argument("--model", default="ViT-B-16")
     p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20, help="steps per timed block")
+    p.add_argument("--repeats", type=int, default=3, help="timed blocks per side")
     p.add_argument("--loss-batch", type=int, default=65536)
+    p.add_argument("--precision-batch", type=int, default=4096)
+    p.add_argument("--kmeans-rows", type=int, default=16384)
+    p.add_argument("--kmeans-dim", type=int, default=1024)
     p.add_argument("--device", default="cuda")
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device")
-    p.add_argument("--model-config-dir", default=None, help="extra open_clip model configs (the tiny CPU smoke run)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of the device (default: by name)")
+    p.add_argument("--engines", nargs="+", choices=list(ENGINES), default=list(ENGINES))
+    p.add_argument("--engine-wrapper", default=None, help="script the FSDP/DeepSpeed launches run through")
+    p.add_argument("--stage-timeout", type=int, default=300)
     args = p.parse_args()
+    data = Path(args.data)
+    missing = [s for s in ("train", "test") if not (data / s).is_dir()]
+    if missing:
+        print(f"error: {data} has no {' or '.join(missing)}/ folder; build one with `make gpu-bundle` "
+              "(or data_tools build + embed)", file=sys.stderr)
+        return 2
     import torch
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("error: no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
+        print("error: no CUDA device (use --device cpu for the smoke path)", file=sys.stderr)
         return 2
+    if device.type == "cpu":
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        print(f"error: --out {out} is a file; give a folder (gpu.json is written into it)", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
-    theirs, ours, flops = step_fns(args.model, args.batch_size, device,
-                                   Path(args.model_config_dir) if args.model_config_dir else None,
-                                   bf16=args.precision == "bf16")
-    step_flops = flops()
-    runs = []
-    for r in range(args.repeats):
-        pair = {}
-        for name, fn in (("open_clip_train", theirs), ("ours", ours)) if r % 2 == 0 else (("ours", ours), ("open_clip_train", theirs)):
-            pair[name] = time_steps(fn, args.steps, device)
-        runs.append(pair)
-        print(f"repeat {r + 1}: " + ", ".join(f"{k} {args.batch_size / v:.0f} samples/s" for k, v in pair.items()),
-              flush=True)
-    med = {k: sorted(p[k] for p in runs)[len(runs) // 2] for k in ("open_clip_train", "ours")}
-    result = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "model": args.model, "batch_size": args.batch_size, "precision": args.precision,
-        "flops_per_step": step_flops,
-        "samples_per_s": {k: round(args.batch_size / v, 1) for k, v in med.items()},
-        "mfu": {k: round(step_flops / v / (args.peak_tflops * 1e12), 4) for k, v in med.items()},
-        "ratio": round(med["open_clip_train"] / med["ours"], 4),
-        "runs": [round(p["open_clip_train"] / p["ours"], 4) for p in runs],
-        "loss_memory": {"batch": args.loss_batch, **loss_memory(args.loss_batch, device)},
-        "torch": torch.__version__,
-    }
-    (out / "gpu.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                    "torch": torch.__version__, "command": " ".join(sys.argv), "sections": {}}
+    path = out / "gpu.json"
+    failed = []
+    for section in args.sections:
+        t0 = time.perf_counter()
+        try:
+            if section == "step":
+                res = step_section(args, device, data)
+            elif section == "loss_memory":
+                res = loss_memory_section(args, device)
+            elif section == "precision":
+                res = precision_section(args, device)
+            elif section == "kmeans":
+                res = kmeans_section(args, device)
+            else:
+                res = engines_section(args, data)
+                if not all(r["ok"] for r in res.values()):
+                    failed.append(section)
+        except Exception as e:  # keep the other sections' results; the error is the result
+            import traceback
+
+            traceback.print_exc()
+            res = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            failed.append(section)
+        res["seconds"] = round(time.perf_counter() - t0, 1)
+        result["sections"][section] = res
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp.replace(path)
+        print(f"{section}: {res['seconds']} s -> {path}", flush=True)
+    if failed:
+        print(f"error: section(s) {', '.join(failed)} failed (see {path})", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,21 +1,69 @@
-"""scripts/gpu_bench.py (run by scripts/bench_gpu.sh on a lent GPU) runs its whole code path on the CPU
-with the tiny model, so the script a GPU session gets once is not run for the first time there."""
+"""scripts/bench_gpu.sh (the one command a lent GPU machine runs) on its CPU path: every section of
+scripts/gpu_bench.py with the tiny model, so the script a GPU session gets once is not run for the
+first time there. The bundle it carries is built by `make gpu-bundle` (PyPI access); here its dataset
+is the test's own OpenMoji build and it has no wheels (the CPU path runs in the project's venv)."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from conftest import ROOT
 
+DEEPSPEED = ROOT / ".cache/deepspeed"
 
-def test_gpu_bench_runs_on_cpu_with_the_tiny_model(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "scripts/gpu_bench.py"), "--out", str(tmp_path), "--device", "cpu",
-                        "--precision", "fp32", "--model", "mmpt-tiny-vit", "--model-config-dir",
-                        str(ROOT / "mmpretrain/model_configs"), "--batch-size", "8", "--steps", "1", "--repeats", "2",
-                        "--loss-batch", "128"], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads((tmp_path / "gpu.json").read_text())
-    assert res["flops_per_step"] > 1e8 and len(res["runs"]) == 2 and res["ratio"] > 0
-    assert set(res["samples_per_s"]) == {"open_clip_train", "ours"}
-    assert {"ours_tiled", "open_clip"} <= set(res["loss_memory"])
-    assert "bash" in (ROOT / "scripts/bench_gpu.sh").read_text().splitlines()[0]
+
+def bundle(openmoji: Path, tmp_path: Path) -> Path:
+    b = tmp_path / "bundle"
+    (b / "wheels").mkdir(parents=True)
+    (b / "openmoji").symlink_to(openmoji)
+    return b
+
+
+def bench(tmp_path: Path, openmoji: Path, *extra: str, env: dict | None = None) -> dict:
+    r = subprocess.run(["bash", str(ROOT / "scripts/bench_gpu.sh"), "--bundle", str(bundle(openmoji, tmp_path)),
+                        "--cpu", *extra], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"), **(env or {})})
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    return json.loads((tmp_path / "out/gpu.json").read_text())["sections"]
+
+
+def test_gpu_bench_cpu_path_runs_every_section(openmoji, tmp_path):
+    res = bench(tmp_path, openmoji)
+    step = res["step"]
+    assert set(step["samples_per_s"]) == {"open_clip_train", "ours"} and len(step["blocks"]) == 2
+    # ours trims the text padding the open_clip step runs: fewer FLOPs on the same batch
+    assert 0 < step["flops_per_step"]["ours"] < step["flops_per_step"]["open_clip_train"]
+    assert step["text_length_used"] <= step["tokens_ours"] < step["tokens_open_clip"] == 32
+    mem = res["loss_memory"]
+    assert mem["loss_rel_diff"] < 1e-5 and mem["ours_tiled"]["grad_norm"] == pytest.approx(mem["open_clip"]["grad_norm"], rel=1e-5)
+    assert len(res["precision"]["cases"]) == 15 and res["precision"]["max_grad_rel"] < 0.03
+    for row in res["kmeans"]["scales"].values():  # same warm start, same Lloyd: the same optimum
+        assert row["torch"]["warm_inertia"] == pytest.approx(row["sklearn"]["warm_inertia"], rel=1e-3)
+        assert row["torch_repeatable"]
+    fsdp = res["engines"]["fsdp"]
+    assert fsdp["ok"] and fsdp["resume"]["resumed"] and sorted(map(int, fsdp["losses"])) == list(range(1, 9))
+    assert "open_clip_model.safetensors" in fsdp["export_files"] and fsdp["acc1"] is not None
+
+
+def test_bench_gpu_refuses_a_missing_bundle_and_a_machine_without_cuda(tmp_path):
+    r = subprocess.run(["bash", str(ROOT / "scripts/bench_gpu.sh"), "--bundle", str(tmp_path / "nope")],
+                       capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable})
+    assert r.returncode == 2 and "make gpu-bundle" in r.stderr
+    (tmp_path / "b/wheels").mkdir(parents=True)
+    (tmp_path / "b/openmoji/train").mkdir(parents=True)
+    r = subprocess.run(["bash", str(ROOT / "scripts/bench_gpu.sh"), "--bundle", str(tmp_path / "b")],
+                       capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable})
+    assert r.returncode != 0 and "no CUDA device" in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (DEEPSPEED / "deepspeed").is_dir(), reason="make deepspeed installs it (make test-slow)")
+def test_gpu_bench_engine_smoke_ddp_and_deepspeed_on_cpu(openmoji, tmp_path):
+    res = bench(tmp_path, openmoji, "--", "--sections", "engines", "--engines", "ddp", "deepspeed",
+                env={"PYTHONPATH": f"{DEEPSPEED}:{os.environ.get('PYTHONPATH', '')}", "DS_ACCELERATOR": "cpu"})
+    for engine in ("ddp", "deepspeed"):
+        assert res["engines"][engine]["ok"], res["engines"][engine]
