@@ -55,6 +55,20 @@ class _Strict(BaseModel):
         return v
 
 
+class RemoteConfig(_Strict):
+    """Remote shards (fsspec urls): see mmpretrain/data/remote.py."""
+
+    retries: int = Field(5, ge=0, description="retries of a remote shard that fails to open or breaks mid-read, "
+                         "from the first sample not yet delivered (the count restarts once a sample came through)")
+    backoff: float = Field(1.0, ge=0, description="seconds before the first retry, doubled for each further one")
+    max_backoff: float = Field(30.0, ge=0, description="the longest wait between retries, seconds")
+    timeout: float = Field(60.0, gt=0, description="seconds to connect, and to wait for the next bytes, "
+                           "before a read fails (and is retried)")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="passed to fsspec for every remote "
+                                            "url, e.g. {client_kwargs: {endpoint_url: http://minio:9000}}; saved with the run's config, so "
+                                            "credentials belong in the environment (AWS_* variables, a profile)")
+
+
 class DataConfig(_Strict):
     train: str = Field(description="dataset folder(s) with sizes.json (as `data_tools build` writes) or shard url "
                        "patterns, several joined by '::' (see mmpretrain/data/sources.py)")
@@ -74,6 +88,8 @@ class DataConfig(_Strict):
                              "saturated CPU the training threads keep their cores (0: same priority)")
     max_pixels: int = Field(64_000_000, gt=0, description="images with more pixels (after JPEG draft scaling) are "
                             "skipped as too_many_pixels before decoding, as data_tools build --max-pixels")
+    remote: RemoteConfig = Field(default_factory=RemoteConfig, description="retries, backoff and timeout for "
+                                 "remote shards")
 
     @model_validator(mode="after")
     def _mode_options(self):

@@ -66,8 +66,10 @@ def shard_bytes(url: str) -> int | None:
             return None
     import fsspec
 
+    from mmpretrain.data.remote import fs_kwargs
+
     try:
-        fs, p = fsspec.core.url_to_fs(path)
+        fs, p = fsspec.core.url_to_fs(path, **fs_kwargs(path))
         return int(fs.size(p))
     except Exception:  # a remote that cannot say: the count and first key still fingerprint it
         return None

@@ -6,7 +6,8 @@
 - local paths and ``file://`` urls;
 - ``pipe:COMMAND`` (the command writes the tar to stdout, e.g. ``pipe:cat /data/s-{000..009}.tar`` or
   ``pipe:aws s3 cp s3://bucket/s-{000..009}.tar -``);
-- fsspec urls (``s3://``, ``gs://``, ``hf://``, ``https://`` ...), opened with ``fsspec.open``.
+- fsspec urls (``s3://``, ``gs://``, ``hf://``, ``https://`` ...), opened with ``fsspec.open`` under
+  ``data.remote``'s timeouts and storage options, retried where they fail (mmpretrain/data/remote.py).
 
 Every shard's sample count must be known (exact epochs, and resuming without reading what was
 already seen, both depend on it): from the folder's ``sizes.json``, or for a pattern from a
@@ -22,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import fsspec
 from braceexpand import braceexpand
 from webdataset.gopen import gopen
 
@@ -70,8 +70,8 @@ def _near(urls: list[str], name: str) -> str:
 def _read_json(url: str) -> Any:
     if _is_local(url):
         return json.loads(Path(url).read_text())
-    with fsspec.open(url, "r") as f:
-        return json.load(f)
+    with open_url(url) as f:
+        return json.loads(f.read().decode("utf-8"))
 
 
 def _read_sizes_near(urls: list[str], spec: str) -> dict[str, int]:
@@ -142,4 +142,6 @@ def open_url(url: str) -> IO[bytes]:
     """A binary stream for a shard url (local, file://, pipe:, or any fsspec url)."""
     if url.startswith("pipe:") or _is_local(url.removeprefix("file://")):
         return gopen(url.removeprefix("file://"), "rb")
-    return fsspec.open(url, "rb").open()
+    from mmpretrain.data.remote import open_remote
+
+    return open_remote(url)  # data.remote's timeouts and storage options

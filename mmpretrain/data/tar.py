@@ -6,7 +6,8 @@ webdataset's naming rule (:func:`split_name`). :func:`read_tar` parses the 512-b
 (ustar, pax ``path``/``size`` records, GNU long names): about 5x faster than ``tarfile`` in stream
 mode, which builds a TarInfo and parses every pax header into Python objects, and able to skip
 samples without copying their bytes out (resuming inside a shard). A truncated or malformed tar
-raises one of :data:`UNREADABLE` after yielding every sample it could read.
+raises one of :data:`UNREADABLE` after yielding every sample it could read. Remote shards (fsspec
+urls) are retried where they fail, from the first sample not yet delivered (mmpretrain/data/remote.py).
 """
 
 from __future__ import annotations
@@ -18,13 +19,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from mmpretrain.data import remote
 from mmpretrain.data.sources import open_url
 
-__all__ = ["UNREADABLE", "read_tar", "split_name", "tar_keys"]
+__all__ = ["UNREADABLE", "MalformedTar", "read_tar", "split_name", "tar_keys"]
 
 # what reading a broken shard raises: a cut stream (EOFError), bad header fields (ValueError), I/O and
 # gzip errors (OSError, zlib.error)
 UNREADABLE = (OSError, EOFError, ValueError, zlib.error)
+
+
+class MalformedTar(ValueError):
+    """Header fields that do not parse: the bytes are wrong, reading them again gives the same."""
 
 
 def split_name(name: str) -> tuple[str, str] | None:
@@ -38,10 +44,12 @@ def split_name(name: str) -> tuple[str, str] | None:
     return name[: len(name) - len(base) + dot], base[dot + 1:].lower()
 
 
-def _members(f) -> Iterator[tuple[str, int, bool]]:
-    """``(name, size, is_file)`` of each tar member, leaving ``f`` at the member's data; a short read
-    raises EOFError."""
+def _members(f, pos: int = 0) -> Iterator[tuple[str, int, bool, int]]:
+    """``(name, size, is_file, entry offset)`` of each tar member, leaving ``f`` at the member's data;
+    the entry offset is where its first header (pax and long-name ones included) starts, counting from
+    ``pos`` (the offset ``f`` starts at). A short read raises EOFError, unparsable fields MalformedTar."""
     long_name, pax_name, pax_size = None, None, None
+    entry = pos
     while True:
         h = f.read(512)
         if len(h) < 512:
@@ -51,29 +59,36 @@ def _members(f) -> Iterator[tuple[str, int, bool]]:
         if not h.strip(b"\0"):
             return  # end-of-archive block
         size_field = h[124:136]
-        if size_field[0] & 0x80:  # GNU base-256 size
-            size = int.from_bytes(size_field[1:], "big")
-        else:
-            size = int(size_field.strip(b"\0 ") or b"0", 8)
+        try:
+            if size_field[0] & 0x80:  # GNU base-256 size
+                size = int.from_bytes(size_field[1:], "big")
+            else:
+                size = int(size_field.strip(b"\0 ") or b"0", 8)
+        except ValueError as e:
+            raise MalformedTar(f"bad tar header size field {bytes(size_field)!r}") from e
         kind = h[156:157]
         if kind in (b"x", b"g", b"L"):
             data = f.read(size)
             f.read(-size % 512)
+            pos += 512 + size + (-size % 512)
             if len(data) < size:
                 raise EOFError("truncated tar header data")
             if kind == b"L":
                 long_name = data.rstrip(b"\0").decode("utf-8", "surrogateescape")
             elif kind == b"x":
-                i = 0
-                while i < len(data):
-                    sp = data.index(b" ", i)
-                    n = int(data[i:sp])
-                    k, _, v = data[sp + 1:i + n - 1].partition(b"=")
-                    if k == b"path":
-                        pax_name = v.decode("utf-8", "surrogateescape")
-                    elif k == b"size":
-                        pax_size = int(v)
-                    i += n
+                try:
+                    i = 0
+                    while i < len(data):
+                        sp = data.index(b" ", i)
+                        n = int(data[i:sp])
+                        k, _, v = data[sp + 1:i + n - 1].partition(b"=")
+                        if k == b"path":
+                            pax_name = v.decode("utf-8", "surrogateescape")
+                        elif k == b"size":
+                            pax_size = int(v)
+                        i += n
+                except ValueError as e:
+                    raise MalformedTar("bad pax header record") from e
             continue
         name = long_name or pax_name
         if name is None:
@@ -84,39 +99,98 @@ def _members(f) -> Iterator[tuple[str, int, bool]]:
         if pax_size is not None:
             size = pax_size
         long_name, pax_name, pax_size = None, None, None
-        yield name, size, kind in (b"0", b"\0", b"7")
+        yield name, size, kind in (b"0", b"\0", b"7"), entry
+        pos += 512 + size + (-size % 512)
+        entry = pos
 
 
 def read_tar(url: str | Path, skip: int = 0, only: tuple[str, ...] | None = None) -> Iterator[dict[str, Any]]:
     """Samples of one shard (local path, ``file://``, ``pipe:``, fsspec url; plain or gzipped), after
     ``skip`` samples whose bytes are never copied out; ``only``: the member suffixes to read (the
     others are skipped, e.g. the images when only captions are wanted). Raises one of
-    :data:`UNREADABLE` on an unreadable or truncated tar, after yielding what it read."""
-    raw = open_url(str(url))
+    :data:`UNREADABLE` on an unreadable or truncated tar, after yielding what it read; a remote shard
+    is first retried (:mod:`mmpretrain.data.remote`)."""
+    url = str(url)
+    if remote.is_remote(url):
+        yield from _read_remote(url, skip, only)
+        return
+    raw = open_url(url)
     try:
-        stream = _buffered(raw)
-        key, sample, n = None, {}, 0
-        for name, size, is_file in _members(stream):
-            parts = split_name(name) if is_file else None
-            if parts is not None and parts[0] != key:
-                if key is not None:
-                    if n >= skip:
-                        yield sample
-                    n += 1
-                key, sample = parts[0], {"__key__": parts[0]}
-            pad = -size % 512
-            if parts is not None and n >= skip and (only is None or parts[1] in only):
-                data = stream.read(size)
-                if len(data) < size:
-                    raise EOFError(f"tar member {name} cut short")
-                sample[parts[1]] = data
-                stream.read(pad)
-            else:
-                _skip(stream, size + pad)
-        if key is not None and n >= skip:
+        for sample, _ in _samples(_buffered(raw), skip, only):
             yield sample
     finally:
         raw.close()
+
+
+def _samples(stream, skip: int, only: tuple[str, ...] | None, pos: int = 0) -> Iterator[tuple[dict[str, Any], int | None]]:
+    """``(sample, offset of the next sample's first header)`` (None after the last) from ``stream``,
+    which starts at byte ``pos`` of the tar."""
+    key, sample, n = None, {}, 0
+    for name, size, is_file, entry in _members(stream, pos):
+        parts = split_name(name) if is_file else None
+        if parts is not None and parts[0] != key:
+            if key is not None:
+                if n >= skip:
+                    yield sample, entry
+                n += 1
+            key, sample = parts[0], {"__key__": parts[0]}
+        pad = -size % 512
+        if parts is not None and n >= skip and (only is None or parts[1] in only):
+            data = stream.read(size)
+            if len(data) < size:
+                raise EOFError(f"tar member {name} cut short")
+            sample[parts[1]] = data
+            if len(stream.read(pad)) < pad:
+                raise EOFError(f"tar member {name}'s padding cut short")
+        else:
+            _skip(stream, size + pad)
+    if key is not None and n >= skip:
+        yield sample, None
+
+
+def _read_remote(url: str, skip: int, only: tuple[str, ...] | None) -> Iterator[dict[str, Any]]:
+    """:func:`read_tar` of a remote shard with retries: after a failure the shard is re-opened at the
+    first sample not yet delivered (a seek, i.e. a range request), or re-read with those samples
+    skipped when it is gzipped; the attempt count restarts once a sample has come through."""
+    opts = remote.options()
+    delivered, offset, attempt = 0, None, 0
+    while True:
+        raw = None
+        try:
+            raw = remote.open_remote(url, opts)
+            if offset is not None and raw.seekable():
+                raw.seek(offset)
+                stream = _buffered(raw)
+                it = _samples(stream, 0, only, offset)
+            else:
+                stream = _buffered(raw)
+                it = _samples(stream, skip + delivered, only)
+            gzipped = isinstance(getattr(stream, "raw", None), gzip.GzipFile)
+            for sample, nxt in it:
+                delivered += 1
+                attempt = 0
+                offset = None if gzipped else nxt
+                yield sample
+            return
+        except Exception as e:
+            if not remote.retryable(e) or attempt >= opts.retries:
+                raise _unreadable(e, url, attempt) from e
+            attempt += 1
+            remote.retry_wait(url, attempt, e, opts)
+        finally:
+            if raw is not None:
+                try:
+                    raw.close()
+                except Exception:  # a broken connection may fail to close as well
+                    pass
+
+
+def _unreadable(e: BaseException, url: str, attempts: int) -> BaseException:
+    """The error a remote shard gives up with, as one of :data:`UNREADABLE` (the HTTP client's errors are
+    not OSErrors), naming the url, the cause and the retries made."""
+    if isinstance(e, UNREADABLE) and not attempts:
+        return e
+    return OSError(f"{url}: {remote.describe(e)}" + (f" (after {attempts} retries)" if attempts else ""))
 
 
 def tar_keys(url: str | Path) -> Iterator[str]:
@@ -126,7 +200,7 @@ def tar_keys(url: str | Path) -> Iterator[str]:
     try:
         stream = _buffered(raw)
         last = None
-        for name, size, is_file in _members(stream):
+        for name, size, is_file, _ in _members(stream):
             parts = split_name(name) if is_file else None
             if parts is not None and parts[0] != last:
                 last = parts[0]

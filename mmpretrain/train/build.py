@@ -27,6 +27,7 @@ from mmpretrain.checkpoint import (
     read_train_state,
 )
 from mmpretrain.config import ConfigError, ExperimentConfig, flat_config, resolve_schedule, to_yaml
+from mmpretrain.data import remote
 from mmpretrain.data.decode import SampleDecoder, split_normalize
 from mmpretrain.data.manifest import provenance_record
 from mmpretrain.data.plan import StreamPlan
@@ -184,6 +185,8 @@ def decide_resume(acc: Accelerator, cfg: ExperimentConfig, files: RunFolder) -> 
 
 
 def build_data(cfg: ExperimentConfig, world_size: int) -> Data:
+    # process-wide, before the loader workers fork (they inherit it): every remote read of the run
+    remote.configure(remote.RemoteOptions(**cfg.data.remote.model_dump()))
     try:
         sources = resolve_sources(cfg.data.train, cfg.data.weights)
         attach_embeddings(sources, cfg.data.embeddings)
