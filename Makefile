@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM ?= false
 DATA := data/openmoji
 RUN := runs/demo
 
-.PHONY: setup demo test test-slow deepspeed gpu-bundle lint bench clean
+.PHONY: setup demo test test-slow deepspeed img2dataset gpu-bundle lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,7 +35,7 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -m "not slow" -q --durations=15
 
-test-slow: setup deepspeed
+test-slow: setup deepspeed img2dataset
 	$(BIN)/python -m pytest -m slow -q
 
 # DeepSpeed for the slow engine test (tests/test_engines.py), on its CPU accelerator: an sdist, built
@@ -49,6 +49,16 @@ $(DEEPSPEED)/.installed: constraints.txt
 	touch $@
 
 deepspeed: setup $(DEEPSPEED)/.installed
+
+# img2dataset for the CC3M download path (scripts/pretrain_cc3m.sh; its slow test): in its own venv,
+# since it pins pandas<3 and brings wandb, opencv and albumentations, none of which this project needs.
+IMG2DATASET := .cache/img2dataset
+$(IMG2DATASET)/.installed:
+	test -x $(IMG2DATASET)/bin/python || $(PY) -m venv $(IMG2DATASET)
+	$(IMG2DATASET)/bin/pip install --quiet --disable-pip-version-check img2dataset==1.47.0
+	touch $@
+
+img2dataset: $(IMG2DATASET)/.installed
 
 # What scripts/bench_gpu.sh needs on a GPU machine without network: cp312 wheels of the dependencies its
 # image lacks and a small embedded OpenMoji dataset, ~20 MiB in .cache/gpu-bundle (PyPI access here).

@@ -127,6 +127,16 @@ def test_img2dataset_output(tmp_path, emoji_images):
     assert res["samples"] == 18 and res["skipped"] == {"not_an_image": 2} and res["shards"] == 2
     meta = json.loads(next(read_tar(sorted((tmp_path / "out").glob("*.tar"))[0]))["json"])
     assert meta["url"].startswith("http://x/")
+    # --shard-size cuts each input tar (img2dataset writes 10,000 per tar): 10 -> 4 + 4 + 2, twice
+    small = build(str(src), tmp_path / "small", **{**KW, "shard_size": 4})
+    sizes = json.loads((tmp_path / "small/sizes.json").read_text())
+    assert small["shards"] == 6 and small["samples"] == 18 and small["skipped"] == {"not_an_image": 2}
+    assert sorted(sizes.values()) == [2, 2, 3, 3, 4, 4]  # the two garbage images fall in the first pieces
+
+    def keys(folder):
+        return [s["__key__"] for t in sorted(folder.glob("*.tar")) for s in read_tar(t)]
+
+    assert keys(tmp_path / "small") == keys(tmp_path / "out")  # the same samples, in the same order
 
 
 def test_hf_saved_dataset(tmp_path, emoji_images):

@@ -16,6 +16,8 @@ from mmpretrain.config import ConfigError, load_config
 from mmpretrain.data import remote
 from mmpretrain.data.tar import read_tar
 
+from conftest import ROOT
+
 FAULTS = {"none": (None, {}), "drop": ("drop", {"after": 20_000, "times": 3}), "503": ("503", {"times": 2}),
           "stall": ("stall", {"after": 10_000, "times": 2, "stall": 2.0})}
 # retries each costs, on both servers: a dropped or stalled read one each (resumed by a range request);
@@ -147,3 +149,59 @@ def test_remote_settings_are_validated(tmp_path):
     for bad in ("data.remote.retries=-1", "data.remote.timeout=0", "data.remote.retry=3"):
         with pytest.raises(ConfigError, match="remote"):
             load_config(None, ["data.train=x", bad])
+
+
+IMG2DATASET = ROOT / ".cache/img2dataset/bin/img2dataset"  # `make img2dataset` (make test-slow)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not IMG2DATASET.is_file(), reason="make img2dataset installs it (make test-slow)")
+def test_cc3m_path_through_the_real_img2dataset(openmoji, tmp_path):
+    """scripts/pretrain_cc3m.sh as a CC3M user runs it: a CC3M-format TSV (caption<TAB>url, no header) of
+    real images (OpenMoji renders) served over loopback HTTP, one url dead; img2dataset itself
+    downloads them into webdataset tars, then build (cut to --shard-size) -> verify -> embed -> train
+    -> eval -> export."""
+    import os
+    import subprocess
+    import sys
+    import tarfile
+
+    www = tmp_path / "www"
+    www.mkdir()
+    rows = []
+    for shard in sorted((openmoji / "train").glob("*.tar"))[:3]:
+        with tarfile.open(shard) as t:
+            members = {m.name: t.extractfile(m).read() for m in t.getmembers() if m.isfile()}
+        for name, data in members.items():
+            if name.endswith(".png"):
+                (www / name).write_bytes(data)
+                rows.append((members[name[:-4] + ".txt"].decode(), name))
+    server = RangeHTTPServer(www)
+    try:
+        lines = [f"{caption}\thttp://127.0.0.1:{server.port}/{name}" for caption, name in rows]
+        lines.append(f"a dead link\thttp://127.0.0.1:{server.port}/no-such-image.png")
+        (tmp_path / "cc3m.tsv").write_text("\n".join(lines) + "\n")
+        run, data = tmp_path / "run", tmp_path / "cc3m"
+        r = subprocess.run(
+            ["bash", str(ROOT / "scripts/pretrain_cc3m.sh"), "--tsv", str(tmp_path / "cc3m.tsv"), "--data", str(data),
+             "--run", str(run), "--config", str(ROOT / "configs/tiny/soft_target.yaml"), "--accelerate-config", "none",
+             "--image-size", "32", "--shard-size", "40", "--workers", "1", "--eval", str(openmoji), "--",
+             "train.steps=3", "train.epochs=null", "data.batch_size=16", "data.num_workers=1", "data.shuffle_buffer=0",
+             "optim.warmup_steps=1", "train.progress=false", "train.log_with=[]"],
+            cwd=ROOT, capture_output=True, text=True, timeout=900,
+            env={**os.environ, "PYTHON": sys.executable, "IMG2DATASET": str(IMG2DATASET)})
+    finally:
+        server.close()
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    raw = sorted((tmp_path / "cc3m_img2dataset").glob("*.tar"))
+    assert raw, "img2dataset wrote no tars"
+    stats = [json.loads(p.read_text()) for p in (tmp_path / "cc3m_img2dataset").glob("*_stats.json")]
+    assert sum(s["successes"] for s in stats) == len(rows) and sum(s["count"] for s in stats) == len(rows) + 1
+    sizes = json.loads((data / "sizes.json").read_text())
+    assert sum(sizes.values()) == len(rows) and max(sizes.values()) <= 40 and len(sizes) >= len(rows) // 40
+    manifest = json.loads((data / "manifest.json").read_text())
+    assert manifest["embedding"]["model"]
+    log = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in log if "loss" in x][-1] == 3
+    assert json.loads((run / "results.json").read_text())["results"][0]["task"] == "zeroshot_classification"
+    assert (run / "export/open_clip_model.safetensors").is_file()

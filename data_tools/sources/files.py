@@ -244,8 +244,12 @@ def _read_captions(path: Path) -> dict[str, str]:
 
 
 class Img2DatasetSource:
-    """img2dataset's webdataset output (``{i:05d}.tar`` with jpg/txt/json, plus parquet and stats):
-    re-sharded one input tar to one output shard, every sample validated and re-encoded."""
+    """img2dataset's webdataset output (``{i:05d}.tar`` with jpg/txt/json, plus parquet and stats),
+    every sample validated and re-encoded. Each input tar is cut into output shards of at most
+    ``--shard-size`` samples (img2dataset writes 10,000 per tar by default: CC3M's ~330 tars would
+    otherwise be ~330 shards, too few for many ranks x workers); a chunk is ``(tar, start, stop)``,
+    the last piece of each tar read to its end so that damage after its last readable header is
+    still counted."""
 
     kind = "img2dataset"
 
@@ -254,13 +258,38 @@ class Img2DatasetSource:
         self.tars = sorted(p.name for p in self.path.glob("*.tar"))
         if not self.tars:
             raise SourceError(f"{self.path}: no .tar files (is this img2dataset's webdataset output?)")
+        self._keys: dict[str, list[str]] = {}
 
-    def chunks(self, size: int) -> list[str]:
-        return list(self.tars)
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_keys": {}}  # the key cache stays in the planning process
 
-    def read_chunk(self, chunk: str) -> Iterator[Record]:
+    def tar_keys(self, tar: str) -> list[str]:
+        """A tar's sample keys from its headers alone; a damaged tar gives those before the damage
+        (the rest is counted when it is read)."""
+        if tar not in self._keys:
+            keys: list[str] = []
+            try:
+                for k in tar_keys(self.path / tar):
+                    keys.append(clean_key(k))
+            except UNREADABLE:
+                pass
+            self._keys[tar] = keys
+        return self._keys[tar]
+
+    def chunks(self, size: int) -> list[tuple[str, int, int | None]]:
+        out: list[tuple[str, int, int | None]] = []
+        for tar in self.tars:
+            n = len(self.tar_keys(tar))
+            starts = list(range(0, n, size)) or [0]
+            out += [(tar, a, a + size if a + size < n else None) for a in starts]
+        return out
+
+    def read_chunk(self, chunk: tuple[str, int, int | None]) -> Iterator[Record]:
+        tar, start, stop = chunk
         try:
-            for s in read_tar(self.path / chunk):
+            for i, s in enumerate(read_tar(self.path / tar, skip=start), start):
+                if stop is not None and i >= stop:
+                    return
                 ext = next((e for e in IMAGE_EXTS if e in s), None)
                 meta: dict[str, Any] = {}
                 if "json" in s:
@@ -273,22 +302,12 @@ class Img2DatasetSource:
                 yield Record(clean_key(s["__key__"]), image=s.get(ext) if ext else None, caption=s.get("txt"),
                              meta=meta, error=None if ext else MISSING_IMAGE)
         except UNREADABLE:  # a cut or corrupt tar: what it held up to the damage was yielded
-            yield Record(f"unreadable-{chunk}", error="unreadable_tar")
+            yield Record(f"unreadable-{Path(tar).stem}-{start}", error="unreadable_tar")
 
-    def keys_by_chunk(self, chunks: list[str]) -> list[list[str]]:
-        """The keys each tar's samples will be written under, from the headers alone (a fraction of
-        the cost of reading them); a damaged tar gives those before the damage (the rest is counted
-        when it is read)."""
-        out = []
-        for chunk in chunks:
-            keys: list[str] = []
-            try:
-                for k in tar_keys(self.path / chunk):
-                    keys.append(clean_key(k))
-            except UNREADABLE:
-                pass
-            out.append(keys)
-        return out
+    def keys_by_chunk(self, chunks: list[tuple[str, int, int | None]]) -> list[list[str]]:
+        """The keys each chunk's samples will be written under, from the headers alone (a fraction of
+        the cost of reading them)."""
+        return [self.tar_keys(tar)[start:stop] for tar, start, stop in chunks]
 
 
 class HFSource(RangeSource):
