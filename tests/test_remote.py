@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 from collections import Counter
 
 import pytest
@@ -205,3 +206,25 @@ def test_cc3m_path_through_the_real_img2dataset(openmoji, tmp_path):
     assert [x["step"] for x in log if "loss" in x][-1] == 3
     assert json.loads((run / "results.json").read_text())["results"][0]["task"] == "zeroshot_classification"
     assert (run / "export/open_clip_model.safetensors").is_file()
+
+
+def test_unreachable_stores_are_one_clear_error(fast_retries, monkeypatch):
+    from mmpretrain.data.sources import resolve_sources
+
+    with pytest.raises(ValueError, match="gcsfs"):  # the url's fsspec package is missing
+        resolve_sources("gs://bucket/shard-{0..1}.tar")
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    with pytest.raises(FileNotFoundError, match=r"cannot read .*sizes.json.*Connect.*endpoint_url"):
+        resolve_sources(f"http://127.0.0.1:{port}/shard-{{0..1}}.tar")
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    fast_retries(client_kwargs={"endpoint_url": f"http://127.0.0.1:{port}"})
+    with pytest.raises(FileNotFoundError, match="NoCredentialsError"):  # not retried: the answer will not change
+        resolve_sources("s3://bucket/shard-{0..1}.tar")
+    assert remote.take_retries() == 0

@@ -94,7 +94,7 @@ def open_remote(url: str, opts: RemoteOptions | None = None) -> IO[bytes]:
             of.fs.retries = 1  # s3fs's own silent retry loop off: retries are ours (counted, logged)
         return of.open()
     except ImportError as e:  # fsspec names the missing package (s3fs, gcsfs, aiohttp...)
-        raise ImportError(f"{url}: {e} (pip install 'simpretrain[remote]' installs s3fs and aiohttp)") from None
+        raise ImportError(f"{url}: {e} (s3:// and https:// need pip install 'simpretrain[remote]')") from None
 
 
 def _chain(e: BaseException):
@@ -130,7 +130,22 @@ def retryable(e: BaseException) -> bool:
 
     if not isinstance(e, Exception) or isinstance(e, (MalformedTar, PermissionError, ImportError)):
         return False
-    return not _missing(e)
+    return not (_missing(e) or _refused(e))
+
+
+# credentials that are absent or rejected: a retry gets the same answer
+_CREDENTIAL_ERRORS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}
+_REFUSED_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "403", "401"}
+
+
+def _refused(e: BaseException) -> bool:
+    for link in _chain(e):
+        if type(link).__name__ in _CREDENTIAL_ERRORS or getattr(link, "status", None) in (401, 403):
+            return True
+        response = getattr(link, "response", None)
+        if isinstance(response, dict) and response.get("Error", {}).get("Code") in _REFUSED_CODES:
+            return True
+    return False
 
 
 def describe(e: BaseException) -> str:

@@ -78,7 +78,16 @@ def _read_sizes_near(urls: list[str], spec: str) -> dict[str, int]:
     sizes_url = _near(urls, SIZES)
     try:
         sizes = _read_json(sizes_url)
-    except (OSError, ValueError) as e:
+    except ImportError as e:  # the url's fsspec package (gcsfs, s3fs ...) is not installed
+        raise ValueError(f"data.train source {spec!r}: {e}") from None
+    except Exception as e:
+        from mmpretrain.data.remote import _missing, describe
+
+        if not (_is_local(sizes_url) or _missing(e)) or not isinstance(e, (OSError, ValueError)):
+            raise FileNotFoundError(
+                f"data.train source {spec!r}: cannot read {sizes_url}: {describe(e)}. Check the url, the "
+                "credentials (AWS_* variables, a profile) and data.remote.storage_options (an endpoint_url)"
+            ) from None
         raise FileNotFoundError(
             f"data.train source {spec!r}: no sample counts ({sizes_url}: {e.__class__.__name__}). Exact epochs "
             "and resume need them: put a sizes.json (shard file name -> samples) beside the shards, or give a "
@@ -91,7 +100,7 @@ def _read_manifest_near(urls: list[str]) -> dict[str, Any]:
     """The manifest beside a pattern's shards; {} when there is none (it is optional there)."""
     try:
         data = _read_json(_near(urls, MANIFEST))
-    except (OSError, ValueError):
+    except Exception:  # optional; sizes.json, read first, reports an unreachable store
         return {}
     return data if isinstance(data, dict) else {}
 
