@@ -14,7 +14,7 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("build", help="write WebDataset shards (+ sizes.json, manifest.json) from a source")
     b.add_argument("source", help="a .tsv/.csv/.parquet table, an image folder, an img2dataset output folder, "
-                   "a saved HF dataset folder or hf:NAME[:SPLIT], or demo:openmoji (packaged real data)")
+                   "a saved HF dataset folder or hf:NAME[:SPLIT], or demo:openmoji / demo:mnist (packaged real data)")
     b.add_argument("--out", required=True, help="dataset folder to write (demo sources: train/ and test/ inside)")
     b.add_argument("--source-type", default=None, choices=["table", "folder", "img2dataset", "hf", "demo"],
                    help="force the source kind instead of detecting it from the path")

@@ -10,7 +10,7 @@ import webdataset as wds
 from mmpretrain.data.manifest import MANIFEST, SIZES, read_sizes, write_json_atomic
 from mmpretrain.data.tar import read_tar
 
-DEMO_SOURCES = ("demo:openmoji",)
+DEMO_SOURCES = ("demo:openmoji", "demo:mnist")
 
 
 class BuildError(RuntimeError):
@@ -86,6 +86,8 @@ def _check_out(out: Path, overwrite: bool) -> None:
         except ValueError:
             pass
     ours |= {out / f for f in (*WDS_FILES, MANIFEST, SIZES)}
+    # demo:mnist's out-of-domain set (scikit-learn's digits), in its own clip_benchmark root
+    ours |= {out / "digits" / f for f in WDS_FILES} | {out / "digits/test" / f for f in ("0.tar", "nshards.txt")}
     ours = {f for f in ours if f.is_file()}
     foreign = [t for sub in ("train", "test") for t in _foreign_tars(out / sub, ours)]
     if foreign:
@@ -129,6 +131,56 @@ def write_clip_benchmark_wds(root: Path, labelled: list[dict], classnames: list[
     (root / "test" / "nshards.txt").write_text("1\n")
 
 
+def _labelled(folder: Path, image_format: str) -> list[dict]:
+    """The labelled samples of a built split, as clip_benchmark's ``wds`` samples (``cls``)."""
+    labelled = []
+    for shard in sorted(read_sizes(folder)):
+        for s in read_tar(folder / shard):
+            meta = json.loads(s["json"])
+            if "label" in meta:
+                labelled.append({"__key__": s["__key__"], image_format: s[image_format], "txt": s["txt"],
+                                 "cls": str(meta["label"]).encode()})
+    return labelled
+
+
+def build_mnist(out: Path, image_size: int, shard_size: int, limit: int | None, image_format: str,
+                workers: int = 1) -> dict:
+    """``demo:mnist`` (data_tools/sources/mnist.py): ``train/`` (4,000 captioned digits), ``test/``
+    (1,000 held out, 100 per class) with clip_benchmark's layout at ``out``, and ``digits/``:
+    scikit-learn's 1,797 8x8 digits, an out-of-domain zero-shot set in the same layout."""
+    from data_tools.images import encode, prepare
+    from data_tools.parallel import build_parallel
+    from data_tools.sources import mnist
+
+    _, labels = mnist.load()
+    train, test = mnist.split(labels)
+    if limit:
+        train, test = train[:limit], test[: max(10, limit // 4)]
+    common = {"source": "demo:mnist", "source_version": mnist.version(), "license": mnist.LICENSE,
+              "attribution": mnist.ATTRIBUTION,
+              "options": {"image_size": image_size, "shard_size": shard_size, "limit": limit, "image_format": image_format}}
+    opts = {"image_size": image_size, "image_format": image_format, "quality": 95, "max_pixels": 64_000_000,
+            "shard_bytes": 1e9}
+    res = {}
+    for split, items in (("train", train), ("test", test)):
+        res[split] = build_parallel(mnist.MnistSplit(items), out / split, prefix=f"mnist-{split}", shard_size=shard_size,
+                                    workers=workers, opts=opts,
+                                    manifest=dict(common, split=split, classnames=mnist.CLASSNAMES))
+    labelled = _labelled(out / "test", image_format)
+    write_clip_benchmark_wds(out, labelled, mnist.CLASSNAMES, list(mnist.TEMPLATES))
+    images, targets = mnist.load_digits_images()
+    digits = []
+    for i, (img, t) in enumerate(zip(images, targets)):
+        digits.append({"__key__": f"digits{i:05d}", image_format: encode(prepare(img, image_size), image_format),
+                       "cls": str(t).encode()})
+    write_clip_benchmark_wds(out / "digits", digits, mnist.CLASSNAMES, list(mnist.TEMPLATES))
+    summary = {"train": res["train"]["samples"], "test": res["test"]["samples"], "test_labelled": len(labelled),
+               "digits": len(digits), "classes": mnist.CLASSNAMES,
+               "skipped": {"train": res["train"]["skipped"], "test": res["test"]["skipped"]}}
+    write_json_atomic(out / "manifest.json", dict(common, splits=summary))
+    return summary
+
+
 def build_openmoji(out: Path, image_size: int, shard_size: int, limit: int | None, image_format: str,
                    workers: int = 1) -> dict:
     from data_tools.parallel import build_parallel
@@ -153,15 +205,7 @@ def build_openmoji(out: Path, image_size: int, shard_size: int, limit: int | Non
                                     prefix=f"openmoji-{split}", shard_size=shard_size, workers=workers, opts=opts,
                                     manifest=dict(common, split=split, **extra))
     # The labelled held-out samples, again in clip_benchmark's layout (DIR is its dataset root).
-    labelled = []
-    for shard in sorted(read_sizes(out / "test")):
-        for s in read_tar(out / "test" / shard):
-            meta = json.loads(s["json"])
-            if "label" in meta:
-                labelled.append(
-                    {"__key__": s["__key__"], image_format: s[image_format], "txt": s["txt"],
-                     "cls": str(meta["label"]).encode()}
-                )
+    labelled = _labelled(out / "test", image_format)
     write_clip_benchmark_wds(out, labelled, classes, list(openmoji.TEMPLATES))
     summary = {
         "train": res["train"]["samples"],
@@ -190,7 +234,8 @@ def build(source: str, out: str | Path, *, image_size: int, shard_size: int, lim
         if source not in DEMO_SOURCES:
             raise BuildError(f"unknown demo source {source!r}; packaged ones: {', '.join(DEMO_SOURCES)}")
         _check_out(out, overwrite)
-        return build_openmoji(out, image_size, shard_size, limit, image_format or "png", workers)
+        demo = build_mnist if source == "demo:mnist" else build_openmoji
+        return demo(out, image_size, shard_size, limit, image_format or "png", workers)
     try:
         src = open_source(source, source_type, image_column=image_column, caption_column=caption_column,
                           base_dir=base_dir, key_column=key_column, captions=captions)

