@@ -131,14 +131,18 @@ def final_eval(run: Path, data: Path, name: str) -> dict[str, float]:
 
 def train_cell(variant: str, seed: int, batch: int, args, data: Path, name: str, work: Path) -> dict:
     run = work / name / f"{variant}_s{seed}_b{batch}"
-    if run.exists():  # unfinished (finished cells are in the JSON): start it again
+    spec = run.parent / f"{run.name}.yaml"
+    if run.exists():  # unfinished (finished cells are in the JSON): start it again -- if this script made it
+        if not spec.is_file():
+            raise SystemExit(f"error: {run} exists but this script did not make it (no {spec.name} beside it); "
+                             "pass another --work")
         import shutil
 
         shutil.rmtree(run)
     run.mkdir(parents=True)
-    (run.parent / f"{run.name}.yaml").write_text(yaml.safe_dump(cell_config(variant, seed, batch, args, data, run)))
+    spec.write_text(yaml.safe_dump(cell_config(variant, seed, batch, args, data, run)))
     t0 = time.time()
-    run_cli("mmpretrain.train", "--config", str(run.parent / f"{run.name}.yaml"), log=run / "experiment.log")
+    run_cli("mmpretrain.train", "--config", str(spec), log=run / "experiment.log")
     seconds = time.time() - t0
     records = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines() if x.strip()]
     key = next((k for r in records for k in r if k.startswith("eval/") and k.endswith("/acc1")), None)
