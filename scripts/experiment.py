@@ -111,11 +111,14 @@ def cell_config(variant: str, seed: int, batch: int, args, data: Path, run: Path
     return cfg
 
 
-def final_eval(run: Path, data: Path, name: str) -> dict[str, float]:
-    jobs = [("heldout", str(data), t) for t in ("zeroshot_classification", "linear_probe", "knn", "clustering")]
-    if (data / "digits").is_dir():
+HELDOUT_TASKS = ("zeroshot_classification", "linear_probe", "knn", "clustering")
+
+
+def final_eval(run: Path, data: Path, name: str, tasks: list[str]) -> dict[str, float]:
+    jobs = [("heldout", str(data), t) for t in tasks]
+    if (data / "digits").is_dir() and "zeroshot_classification" in tasks:
         jobs.append(("digits", str(data / "digits"), "zeroshot_classification"))
-    if name == "openmoji":
+    if (data / "test").is_dir() and name == "openmoji" and "zeroshot_retrieval" not in tasks:
         jobs.append(("retrieval", str(data / "test"), "zeroshot_retrieval"))
     out = run / "final_results.json"
     if out.exists():
@@ -151,8 +154,8 @@ def train_cell(variant: str, seed: int, batch: int, args, data: Path, name: str,
     geometry = {k.removeprefix("geometry/"): v for k, v in last.items() if k.startswith("geometry/")}
     purity = {k: v for r in records[-1:] for k, v in r.items() if k.endswith("/purity")}
     return {"variant": variant, "seed": seed, "batch_size": batch, "steps": args.steps,
-            "train_seconds": round(seconds, 1), "metrics": final_eval(run, data, name), "curve": curve,
-            "geometry": geometry, "purity": purity}
+            "train_seconds": round(seconds, 1), "metrics": final_eval(run, data, name, args.tasks), "curve": curve,
+            "geometry": geometry, "purity": purity, "tasks": args.tasks}
 
 
 def summarize(cells: dict[str, dict]) -> tuple[list[dict], str]:
@@ -229,6 +232,8 @@ def main() -> int:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[64])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--tasks", nargs="+", choices=HELDOUT_TASKS, default=list(HELDOUT_TASKS),
+                   help="final held-out evaluations (default: all four)")
     p.add_argument("--out", default=str(ROOT / "bench_results/experiments"))
     p.add_argument("--work", default=str(ROOT / "runs/experiments"))
     args = p.parse_args()
@@ -243,7 +248,8 @@ def main() -> int:
     data, name = prepare_data(args.data, work)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
-    settings = {"data": args.data, "steps": args.steps, "eval_every": args.eval_every, "model": "mmpt-tiny-vit"}
+    settings = {"data": args.data, "steps": args.steps, "eval_every": args.eval_every, "model": "mmpt-tiny-vit",
+                "tasks": sorted(args.tasks)}
     results = json.loads(path.read_text()) if path.is_file() else {"settings": settings, "cells": {}}
     if results.get("settings") != settings:
         print(f"error: {path} holds a grid with other settings ({results.get('settings')}); pass another --out "
