@@ -94,3 +94,20 @@ def in_tar_copy(src: Path, dst: Path) -> Path:
     manifest["embedding"].pop("layout", None)
     (dst / "manifest.json").write_text(json.dumps(manifest))
     return dst
+
+
+def extract_images(dataset: Path, shards: int, dest: Path) -> list[tuple[str, str]]:
+    """The PNG images and captions of a built dataset's first ``shards`` training shards, written as files
+    into ``dest``: ``[(caption, file name)]`` (real images for the tests that need a folder or a server)."""
+    import tarfile
+
+    dest.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for shard in sorted((dataset / "train").glob("*.tar"))[:shards]:
+        with tarfile.open(shard) as t:
+            members = {m.name: t.extractfile(m).read() for m in t.getmembers() if m.isfile()}
+        for name, data in members.items():
+            if name.endswith(".png"):
+                (dest / name).write_bytes(data)
+                rows.append((members[name[:-4] + ".txt"].decode(), name))
+    return rows

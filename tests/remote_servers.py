@@ -19,6 +19,10 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+# fake credentials for moto, and no probing of the EC2 metadata address (169.254.169.254)
+FAKE_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+
 
 class _RangeHandler(http.server.SimpleHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as object stores and CDNs
@@ -94,8 +98,7 @@ def moto_s3(monkeypatch, bucket: str, folder: Path, prefix: str):
     import boto3
     from moto.server import ThreadedMotoServer
 
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
+    for k, v in FAKE_AWS.items():
         monkeypatch.setenv(k, v)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()

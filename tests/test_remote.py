@@ -11,13 +11,13 @@ import socket
 from collections import Counter
 
 import pytest
-from remote_servers import FaultProxy, RangeHTTPServer, moto_s3
+from remote_servers import FAKE_AWS, FaultProxy, RangeHTTPServer, moto_s3
 
 from mmpretrain.config import ConfigError, load_config
 from mmpretrain.data import remote
 from mmpretrain.data.tar import read_tar
 
-from conftest import ROOT
+from conftest import ROOT, extract_images
 
 FAULTS = {"none": (None, {}), "drop": ("drop", {"after": 20_000, "times": 3}), "503": ("503", {"times": 2}),
           "stall": ("stall", {"after": 10_000, "times": 2, "stall": 2.0})}
@@ -59,17 +59,23 @@ def check_delivery(local: dict[str, list[dict]], url_of) -> None:
         assert got == samples  # byte for byte
 
 
-@pytest.mark.parametrize("fault", list(FAULTS))
-def test_http_shards_survive_each_fault(openmoji, http_server, fast_retries, fault):
+def survives(openmoji, port: int, fault: str, url_of, server: str) -> None:
+    """Every sample of 3 shards through a proxy injecting ``fault``: delivered once, in order, byte for
+    byte; the faults injected and the retries they cost as expected."""
     kind, kw = FAULTS[fault]
-    proxy = FaultProxy(http_server.port, kind, **kw)
+    proxy = FaultProxy(port, kind, **kw)
     try:
-        check_delivery(local_samples(openmoji), lambda n: f"{proxy.url}/train/{n}")
+        check_delivery(local_samples(openmoji), lambda n: url_of(proxy, n))
         retries = remote.take_retries()
-        print(f"http {fault}: retries {retries}, faults {proxy.faults}")
+        print(f"{server} {fault}: retries {retries}, faults {proxy.faults}")
         assert proxy.faults == kw.get("times", 0) and retries == RETRIES[fault]
     finally:
         proxy.close()
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_http_shards_survive_each_fault(openmoji, http_server, fast_retries, fault):
+    survives(openmoji, http_server.port, fault, lambda proxy, n: f"{proxy.url}/train/{n}", "http")
 
 
 @pytest.fixture(scope="module")
@@ -80,19 +86,14 @@ def s3_port(openmoji):
 
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_s3_shards_survive_each_fault(openmoji, s3_port, fast_retries, fault, monkeypatch):
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
+    for k, v in FAKE_AWS.items():
         monkeypatch.setenv(k, v)
-    kind, kw = FAULTS[fault]
-    proxy = FaultProxy(s3_port, kind, **kw)
-    fast_retries(client_kwargs={"endpoint_url": proxy.url})
-    try:
-        check_delivery(local_samples(openmoji), lambda n: f"s3://shards/train/{n}")
-        retries = remote.take_retries()
-        print(f"s3 {fault}: retries {retries}, faults {proxy.faults}")
-        assert proxy.faults == kw.get("times", 0) and retries == RETRIES[fault]
-    finally:
-        proxy.close()
+
+    def url_of(proxy, name):
+        fast_retries(client_kwargs={"endpoint_url": proxy.url})  # s3fs reaches the store through the proxy
+        return f"s3://shards/train/{name}"
+
+    survives(openmoji, s3_port, fault, url_of, "s3")
 
 
 def test_the_training_stream_over_a_faulty_server_is_the_local_stream(openmoji, http_server, fast_retries):
@@ -165,18 +166,8 @@ def test_cc3m_path_through_the_real_img2dataset(openmoji, tmp_path):
     import os
     import subprocess
     import sys
-    import tarfile
-
     www = tmp_path / "www"
-    www.mkdir()
-    rows = []
-    for shard in sorted((openmoji / "train").glob("*.tar"))[:3]:
-        with tarfile.open(shard) as t:
-            members = {m.name: t.extractfile(m).read() for m in t.getmembers() if m.isfile()}
-        for name, data in members.items():
-            if name.endswith(".png"):
-                (www / name).write_bytes(data)
-                rows.append((members[name[:-4] + ".txt"].decode(), name))
+    rows = extract_images(openmoji, 3, www)
     server = RangeHTTPServer(www)
     try:
         lines = [f"{caption}\thttp://127.0.0.1:{server.port}/{name}" for caption, name in rows]

@@ -172,18 +172,10 @@ def test_pretrain_cc3m_script_on_a_local_tsv(openmoji, tmp_path):
     import subprocess
     import sys
 
-    images = tmp_path / "images"
-    images.mkdir()
-    rows = ["caption\timage"]
-    import tarfile
+    from conftest import extract_images
 
-    for shard in sorted((openmoji / "train").glob("*.tar"))[:2]:
-        with tarfile.open(shard) as t:
-            members = {m.name: t.extractfile(m).read() for m in t.getmembers() if m.isfile()}
-        for name, data in members.items():
-            if name.endswith(".png"):
-                (images / name).write_bytes(data)
-                rows.append(f"{members[name[:-4] + '.txt'].decode()}\timages/{name}")
+    rows = ["caption\timage"] + [f"{caption}\timages/{name}"
+                                  for caption, name in extract_images(openmoji, 2, tmp_path / "images")]
     (tmp_path / "pairs.tsv").write_text("\n".join(rows) + "\n")
     run = tmp_path / "run"
     r = subprocess.run(
