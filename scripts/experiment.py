@@ -120,9 +120,7 @@ def final_eval(run: Path, data: Path, name: str, tasks: list[str]) -> dict[str, 
         jobs.append(("digits", str(data / "digits"), "zeroshot_classification"))
     if (data / "test").is_dir() and name == "openmoji" and "zeroshot_retrieval" not in tasks:
         jobs.append(("retrieval", str(data / "test"), "zeroshot_retrieval"))
-    out = run / "final_results.json"
-    if out.exists():
-        out.unlink()  # our own file: an interrupted evaluation is redone whole
+    out = run / "final_results.json"  # the run folder is new (train_cell): nothing to replace
     run_cli("mmpretrain.eval", "--model", str(run), "--dataset", *[j[1] for j in jobs], "--task", *[j[2] for j in jobs],
             "--num_workers", "1", "--output", str(out), log=run / "experiment.log")
     entries = json.loads(out.read_text())["results"]

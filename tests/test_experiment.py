@@ -74,3 +74,16 @@ def test_experiment_smoke_writes_resumes_and_summarises(openmoji, tmp_path):
     assert r2.returncode == 0 and "==" not in r2.stdout
     bad = subprocess.run([*cmd[:2], "clipp", *cmd[3:]], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown variant 'clipp'" in bad.stderr
+
+
+def test_experiment_restarts_only_run_folders_it_made(openmoji, tmp_path):
+    """An unfinished cell is retrained from scratch, its folder removed first -- but a folder of that name
+    that the script did not make (no cell config beside it) is refused and left as it is."""
+    mine = tmp_path / "work/openmoji/clip_s0_b32"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("a user's file")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/experiment.py"), "clip", "--data", str(openmoji),
+                        "--seeds", "0", "--steps", "3", "--batch-sizes", "32", "--out", str(tmp_path / "out"),
+                        "--work", str(tmp_path / "work")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "did not make it" in r.stderr
+    assert (mine / "notes.txt").read_text() == "a user's file"

@@ -67,3 +67,15 @@ def test_gpu_bench_engine_smoke_ddp_and_deepspeed_on_cpu(openmoji, tmp_path):
                 env={"PYTHONPATH": f"{DEEPSPEED}:{os.environ.get('PYTHONPATH', '')}", "DS_ACCELERATOR": "cpu"})
     for engine in ("ddp", "deepspeed"):
         assert res["engines"][engine]["ok"], res["engines"][engine]
+
+
+def test_gpu_bundle_replaces_only_a_bundle_it_wrote(tmp_path):
+    """gpu_bundle.sh removes DIR and DIR.partial before writing them: a folder of the user's under either
+    name is refused before anything (download included) happens, its files kept."""
+    for target in (tmp_path / "a", tmp_path / "b.partial"):
+        target.mkdir()
+        (target / "keep.txt").write_text("mine")
+        r = subprocess.run(["bash", str(ROOT / "scripts/gpu_bundle.sh"), str(target).removesuffix(".partial")],
+                           capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=60)
+        assert r.returncode == 2 and "not a bundle this script wrote" in r.stderr
+        assert (target / "keep.txt").read_text() == "mine"

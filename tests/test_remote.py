@@ -219,3 +219,17 @@ def test_unreachable_stores_are_one_clear_error(fast_retries, monkeypatch):
     with pytest.raises(FileNotFoundError, match="NoCredentialsError"):  # not retried: the answer will not change
         resolve_sources("s3://bucket/shard-{0..1}.tar")
     assert remote.take_retries() == 0
+
+
+def test_error_classification_reads_only_botocore_codes():
+    class WithResponse(OSError):  # requests' and others' errors carry a response *object*
+        response = object()
+
+    class Boto(Exception):
+        def __init__(self, code):
+            super().__init__(code)
+            self.response = {"Error": {"Code": code}}
+
+    assert remote.retryable(WithResponse("reset"))
+    assert not remote.retryable(Boto("NoSuchKey")) and not remote.retryable(Boto("AccessDenied"))
+    assert remote.retryable(Boto("SlowDown"))

@@ -105,13 +105,20 @@ def _chain(e: BaseException):
         e = e.__cause__ or e.__context__
 
 
-def _missing(e: BaseException) -> bool:
+def _error_code(link: BaseException) -> str | None:
+    """botocore's error code (``e.response["Error"]["Code"]``); None for errors without one (the
+    ``response`` of other libraries' errors is an object, not botocore's dict)."""
+    response = getattr(link, "response", None)
+    return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+
+
+def missing_object(e: BaseException) -> bool:
     """The object is not there: HTTP 404/410, S3 NoSuchKey/NoSuchBucket, or a FileNotFoundError that no
     network error caused (fsspec's HTTP filesystem reports *any* failed HEAD-then-GET, a 503 too, as
     FileNotFoundError, so the cause decides)."""
     for link in _chain(e):
         status = getattr(link, "status", None)
-        code = (getattr(link, "response", None) or {}).get("Error", {}).get("Code") if hasattr(link, "response") else None
+        code = _error_code(link)
         if status in (404, 410) or code in ("NoSuchKey", "NoSuchBucket", "404"):
             return True
         if isinstance(status, int) or code is not None:
@@ -130,7 +137,7 @@ def retryable(e: BaseException) -> bool:
 
     if not isinstance(e, Exception) or isinstance(e, (MalformedTar, PermissionError, ImportError)):
         return False
-    return not (_missing(e) or _refused(e))
+    return not (missing_object(e) or _refused(e))
 
 
 # credentials that are absent or rejected: a retry gets the same answer
@@ -142,8 +149,7 @@ def _refused(e: BaseException) -> bool:
     for link in _chain(e):
         if type(link).__name__ in _CREDENTIAL_ERRORS or getattr(link, "status", None) in (401, 403):
             return True
-        response = getattr(link, "response", None)
-        if isinstance(response, dict) and response.get("Error", {}).get("Code") in _REFUSED_CODES:
+        if _error_code(link) in _REFUSED_CODES:
             return True
     return False
 

@@ -81,9 +81,9 @@ def _read_sizes_near(urls: list[str], spec: str) -> dict[str, int]:
     except ImportError as e:  # the url's fsspec package (gcsfs, s3fs ...) is not installed
         raise ValueError(f"data.train source {spec!r}: {e}") from None
     except Exception as e:
-        from mmpretrain.data.remote import _missing, describe
+        from mmpretrain.data.remote import describe, missing_object
 
-        if not (_is_local(sizes_url) or _missing(e)) or not isinstance(e, (OSError, ValueError)):
+        if not (_is_local(sizes_url) or missing_object(e)) or not isinstance(e, (OSError, ValueError)):
             raise FileNotFoundError(
                 f"data.train source {spec!r}: cannot read {sizes_url}: {describe(e)}. Check the url, the "
                 "credentials (AWS_* variables, a profile) and data.remote.storage_options (an endpoint_url)"
