@@ -124,3 +124,20 @@ def test_named_templates(tmp_path):
     bad.write_text("a photo\n")
     with pytest.raises(ValueError, match="placeholder"):
         named_templates(str(bad))
+
+
+def test_probe_tasks_on_one_dataset_share_its_image_pass(openmoji, tiny_model, monkeypatch):
+    """linear_probe, knn and clustering on the same dataset in one run encode each split once, and give
+    what three separate runs give."""
+    from mmpretrain.eval import Evaluator, evaluate, features
+
+    model, preprocess, tokenizer = tiny_model
+    passes = []
+    real = features._image_features
+    monkeypatch.setattr(features, "_image_features", lambda m, p, ds, ctx: passes.append(ds.name) or real(m, p, ds, ctx))
+    tasks = ["linear_probe", "knn", "clustering"]
+    shared = Evaluator([(str(openmoji), t) for t in tasks]).run(model, preprocess, tokenizer)
+    assert sorted(passes) == sorted(["openmoji-test", "openmoji-train"])  # test and train split, once each
+    separate = [evaluate(model, preprocess, tokenizer, str(openmoji), t) for t in tasks]
+    assert len(passes) == 2 + (2 + 2 + 1)  # separately, each task encodes its splits again (clustering: test only)
+    assert [e["metrics"] for e in shared] == [e["metrics"] for e in separate]

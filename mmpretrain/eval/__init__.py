@@ -58,13 +58,16 @@ def load_task_data(spec: str, task: str) -> TaskData:
 
 def evaluate(model, preprocess, tokenizer, data: str | Path | TaskData, task: str, *, model_name: str = "",
              batch_size: int = 256, recall_k: list[int] | None = None, device: str = "cpu", num_workers: int = 0,
-             rank: int = 0, world_size: int = 1) -> dict[str, Any]:
+             rank: int = 0, world_size: int = 1, features: dict | None = None) -> dict[str, Any]:
     """One ``results.json`` entry. ``data``: a dataset spec, or what :func:`load_task_data` returns.
-    Under several processes every rank calls this with its ``rank`` (the default process group gathers)."""
+    Under several processes every rank calls this with its ``rank`` (the default process group gathers).
+    ``features``: one dict passed to every call on the same model, so tasks on the same dataset share
+    its image pass (the model must not change between those calls)."""
     if isinstance(data, (str, Path)):
         data = load_task_data(str(data), task)
     ctx = EvalContext(batch_size=batch_size, device=device, num_workers=num_workers,
-                      recall_k=tuple(recall_k or (1, 5, 10)), rank=rank, world_size=world_size)
+                      recall_k=tuple(recall_k or (1, 5, 10)), rank=rank, world_size=world_size,
+                      features=features)
     model.eval()
     res = TASKS[task].run(model, preprocess, tokenizer, data, ctx)
     name = (data if isinstance(data, EvalDataset) else data[1]).name
@@ -90,10 +93,11 @@ class Evaluator:
     def run(self, model, preprocess, tokenizer, model_name: str = "") -> list[dict[str, Any]]:
         """Call on every rank (the work is split and gathered); the model's train/eval mode is restored."""
         was_training = model.training
+        features: dict = {}  # this call's model: its tasks on one dataset share the image pass
         try:
             return [evaluate(model, preprocess, tokenizer, d, t, model_name=model_name, batch_size=self.batch_size,
                              recall_k=self.recall_k, device=self.device, num_workers=self.num_workers,
-                             rank=self.rank, world_size=self.world_size)
+                             rank=self.rank, world_size=self.world_size, features=features)
                     for d, t in self.jobs]
         finally:
             model.train(was_training)

@@ -68,10 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    features: dict = {}  # one model: the probe tasks on a dataset share its image pass
     try:
         entries = [evaluate(model, preprocess, tokenizer, d, task, model_name=args.model, batch_size=args.batch_size,
                             recall_k=args.recall_k, device=device, num_workers=args.num_workers,
-                            rank=proc.rank, world_size=proc.world_size)
+                            rank=proc.rank, world_size=proc.world_size, features=features)
                    for d, task in zip(data, tasks)]
     except (ValueError, FileNotFoundError) as e:  # the data does not hold what the task needs
         print(f"error: {e}", file=sys.stderr)

@@ -3,6 +3,7 @@ gathered, for a test split and, where the task trains a probe, a train split."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,28 @@ def image_features(model, preprocess, ds: EvalDataset, ctx: EvalContext):
     dataset order, on every rank.
 
     Pre-projection features are the image tower's pooled output before its projection, available
-    for open_clip ViT towers (``visual.proj``); other towers return None."""
+    for open_clip ViT towers (``visual.proj``); other towers return None. With ``ctx.features`` (a dict
+    for one model's run) a dataset's pass is made once and reused by later tasks, its skipped samples
+    counted again for each."""
+    key = dataset_key(ds)
+    if ctx.features is not None and key in ctx.features:
+        out, skipped = ctx.features[key]
+        ctx.skipped.update(skipped)
+        return out
+    before = Counter(ctx.skipped)
+    out = _image_features(model, preprocess, ds, ctx)
+    if ctx.features is not None:
+        ctx.features[key] = (out, Counter(ctx.skipped) - before)
+    return out
+
+
+def dataset_key(ds: EvalDataset) -> tuple:
+    """What makes two loaded datasets the same samples: their files (or Hub dataset) and layout."""
+    files = tuple(str(p) for p, _ in ds.files) if ds.files else ()
+    return (ds.name, ds.layout, tuple(str(p) for p in ds.shards), files, getattr(ds.hf[0], "_fingerprint", id(ds.hf[0])) if ds.hf else None)
+
+
+def _image_features(model, preprocess, ds: EvalDataset, ctx: EvalContext):
     visual = model.visual
     has_proj = isinstance(getattr(visual, "proj", None), torch.Tensor)
     index, feats, pre, labels = [], [], [], []

@@ -34,6 +34,8 @@ class EvalContext:
     rank: int = 0
     world_size: int = 1
     skipped: Counter = field(default_factory=Counter, compare=False)  # this rank's skipped samples, by reason
+    # image features already extracted in this run (one model): the probe tasks share a dataset's pass
+    features: dict | None = field(default=None, compare=False)
 
 
 def gather(obj: Any, world_size: int) -> list[Any]:
