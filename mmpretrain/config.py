@@ -162,8 +162,11 @@ class LossTerm(_Strict):
 
     def build(self):
         """The objective alone (one process), as validation builds it to check the options."""
+        cls = LOSSES[self.name]
+        # a per-sample table's length comes from the data at setup; a stand-in checks the other options
+        sized = {"index_size": 2} if getattr(cls, "needs_index_size", False) and "index_size" not in self.options else {}
         try:
-            return LOSSES[self.name](**self.options)
+            return cls(**sized, **self.options)
         except TypeError as e:
             raise ValueError(f"bad options for objective {self.name!r}: {e}") from None
 

@@ -26,8 +26,9 @@ WHAT = {
     "regions": "training step, region-weighted CLIP [5, 10, 20] / plain CLIP (tiny config, k-means every 20 steps)",
     "eval": "zero-shot images/s, `mmpretrain.eval` / clip_benchmark (5,000 MNIST digits)",
     "embed": "`data_tools embed` (sidecars) / raw `SentenceTransformer.encode`, sentences/s, 20,000 captions",
+    "train_global_clip": "training step, `global_clip` (FastCLIP-v3) / plain CLIP, seconds per step (tiny config)",
 }
-ORDER = ["train", "loader", "loss", "regions", "eval", "embed"]
+ORDER = ["train", "train_global_clip", "loader", "loss", "regions", "eval", "embed"]
 
 
 def fmt(x: float) -> str:

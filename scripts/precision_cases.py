@@ -11,7 +11,7 @@ from mmpretrain.losses import LOSSES
 TILED = ("clip", "sigmoid", "soft_target")
 CASES = [("clip", {}), ("clip", {"local_loss": True}), ("sigmoid", {}), ("sigmoid", {"within_view_negatives": True}),
          ("soft_target", {}), ("soft_target", {"space": "image_image"}), ("cwcl", {}), ("vrn", {"delta": 0.0}),
-         ("align_uniform", {})]
+         ("align_uniform", {}), ("global_clip", {"index_size": 1 << 16})]
 
 
 def amp_cases(chunk: int) -> list[tuple[str, dict, int | None]]:
@@ -37,7 +37,8 @@ def loss_and_grad(name: str, options: dict, chunk: int | None, batch, dtype: tor
     t = batch[3]
     fn = LOSSES[name](chunk_size=chunk, **options).to(x.device)
     kw = dict(image_features=x, text_features=y, logit_scale=torch.tensor(100.0, device=x.device),
-              logit_bias=torch.tensor(-10.0, device=x.device), target_embeddings=t, image_features_2=x2)
+              logit_bias=torch.tensor(-10.0, device=x.device), target_embeddings=t, image_features_2=x2,
+              sample_index=torch.arange(x.shape[0], device=x.device))
     with torch.autocast(x.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
         out = fn(**kw)[f"{name}_loss"]
     gx, gy = torch.autograd.grad(out, (x, y), allow_unused=True)

@@ -148,7 +148,7 @@ def test_processes_equal_one_with_the_same_global_batch(one_process_steps, tmp_p
     """5 float64 steps through train_step with the global batch split over ``world`` gloo ranks under
     accelerate launch: the losses and weights of one process, with and without gradient caching; on 4
     ranks (``make test-slow``) also 3 steps of every objective alone (clip's gather modes and tiling, sigmoid with and without
-    within-view negatives, soft targets in image space, cwcl, vrn, align_uniform)."""
+    within-view negatives, soft targets in image space, cwcl, vrn, align_uniform, global_clip)."""
     import subprocess
     import sys
 
@@ -158,7 +158,7 @@ def test_processes_equal_one_with_the_same_global_batch(one_process_steps, tmp_p
                         str(out), which], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = one_process_steps(which), json.loads(out.read_text())
-    assert len(b) == (20 if which == "all" else 2)
+    assert len(b) == (22 if which == "all" else 2)
     for name in b:
         assert len(a[name]["losses"]) == (5 if "/" not in name else 3)
         assert b[name]["losses"] == pytest.approx(a[name]["losses"], rel=1e-6, abs=1e-6), name

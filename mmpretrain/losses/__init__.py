@@ -19,6 +19,7 @@ from mmpretrain.losses.align_uniform import AlignUniformLoss
 from mmpretrain.losses.base import Objective
 from mmpretrain.losses.clip import ClipLoss
 from mmpretrain.losses.cwcl import CwclLoss
+from mmpretrain.losses.global_clip import GlobalClipLoss
 from mmpretrain.losses.regions import RegionLoss
 from mmpretrain.losses.sigmoid import SigmoidLoss
 from mmpretrain.losses.soft_target import SoftTargetLoss
@@ -32,6 +33,7 @@ LOSSES: dict[str, type[Objective]] = {
     "vrn": VrnLoss,
     "align_uniform": AlignUniformLoss,
     "regions": RegionLoss,
+    "global_clip": GlobalClipLoss,
 }
 
 
@@ -55,6 +57,7 @@ class WeightedObjective(nn.Module):
     needs_targets = _any_term("needs_targets")
     needs_labels = _any_term("needs_labels")
     needs_sample_index = _any_term("needs_sample_index")
+    needs_index_size = _any_term("needs_index_size")
     whole_batch = _any_term("whole_batch")
     uses_logit_scale = _any_term("uses_logit_scale", default=True)
     uses_logit_bias = _any_term("uses_logit_bias")
@@ -67,6 +70,14 @@ class WeightedObjective(nn.Module):
     def init_logit_bias(self) -> float | None:
         """The first declared bias: a sigmoid term anywhere in the sum gets the bias it needs."""
         return next((t.init_logit_bias for t in self.terms if t.init_logit_bias is not None), None)
+
+    def commit_step(self) -> None:
+        for term in self.terms:
+            getattr(term, "commit_step", lambda: None)()
+
+    def discard_step(self) -> None:
+        for term in self.terms:
+            getattr(term, "discard_step", lambda: None)()
 
     def forward(self, **inputs) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -81,9 +92,10 @@ class WeightedObjective(nn.Module):
 
 
 def build_objective(terms: Sequence[dict], rank: int = 0, world_size: int = 1,
-                    dataset_size: int | None = None) -> WeightedObjective:
+                    dataset_size: int | None = None, index_size: int | None = None) -> WeightedObjective:
     """``terms``: ``[{"name": "clip", "weight": 1.0, "options": {...}}, ...]`` (the config's ``loss``).
-    ``dataset_size`` reaches the objectives that declare ``needs_dataset_size`` unless their options set it."""
+    ``dataset_size`` / ``index_size`` reach the objectives that declare ``needs_dataset_size`` /
+    ``needs_index_size`` unless their options set them."""
     built = []
     seen = set()
     for t in terms:
@@ -97,9 +109,11 @@ def build_objective(terms: Sequence[dict], rank: int = 0, world_size: int = 1,
         options = dict(t.get("options", {}))
         if getattr(cls, "needs_dataset_size", False) and dataset_size is not None:
             options.setdefault("dataset_size", dataset_size)
+        if getattr(cls, "needs_index_size", False) and index_size is not None:
+            options.setdefault("index_size", index_size)
         built.append((name, t.get("weight", 1.0), cls(rank=rank, world_size=world_size, **options)))
     return WeightedObjective(built)
 
 
-__all__ = ["LOSSES", "AlignUniformLoss", "ClipLoss", "CwclLoss", "Objective", "RegionLoss", "SigmoidLoss",
+__all__ = ["LOSSES", "AlignUniformLoss", "ClipLoss", "CwclLoss", "GlobalClipLoss", "Objective", "RegionLoss", "SigmoidLoss",
            "SoftTargetLoss", "VrnLoss", "WeightedObjective", "build_objective"]

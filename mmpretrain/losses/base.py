@@ -10,6 +10,8 @@ its forward reads beyond the features, and the trainer provides exactly that:
   under resume, rank count and resampling; a resampled batch can hold one index twice);
 - ``needs_dataset_size``: the constructor is given ``dataset_size`` (samples per epoch) unless its
   options set it;
+- ``needs_index_size``: the constructor is given ``index_size``, the number of distinct sample indices
+  (the training data's sample count over every source, from ``sizes.json``), for per-sample tables;
 - ``whole_batch``: it must see the whole batch in one call, so plain micro-batch accumulation is refused
   (gradient caching is fine);
 - ``uses_logit_scale`` / ``uses_logit_bias``: whether its loss depends on the model's scale / bias. The
@@ -21,6 +23,9 @@ Every forward also receives the step context ``step`` (the optimizer step, from 
 State (banks, weights, counters) lives in the module's ``state_dict`` (buffers): the trainer saves it
 with every checkpoint as safetensors and restores it on resume. ``init_logit_scale`` /
 ``init_logit_bias`` are the initial values the objective prefers for the model's scale and bias.
+State that must move only with accepted steps is proposed in forward and applied in
+:meth:`Objective.commit_step`, which the trainer calls once the step's loss is finite on every rank
+(:meth:`Objective.discard_step` otherwise).
 """
 
 from __future__ import annotations
@@ -37,6 +42,13 @@ class Objective(nn.Module):
     needs_labels: bool = False
     needs_sample_index: bool = False
     needs_dataset_size: bool = False
+    needs_index_size: bool = False
     whole_batch: bool = False
     uses_logit_scale: bool = True
     uses_logit_bias: bool = False
+
+    def commit_step(self) -> None:
+        """Apply the state update the last forward proposed (the step was accepted)."""
+
+    def discard_step(self) -> None:
+        """Drop the state update the last forward proposed (the step was skipped)."""

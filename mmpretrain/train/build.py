@@ -208,10 +208,11 @@ def shard_sharing_note(plan: StreamPlan) -> str | None:
             "shards with data_tools build --shard-size to read less)")
 
 
-def build_objective_for(cfg: ExperimentConfig, rank: int, world_size: int, dataset_size: int) -> WeightedObjective:
+def build_objective_for(cfg: ExperimentConfig, rank: int, world_size: int, dataset_size: int,
+                        index_size: int | None = None) -> WeightedObjective:
     try:
         return build_objective([t.model_dump() for t in cfg.loss], rank=rank, world_size=world_size,
-                               dataset_size=dataset_size)
+                               dataset_size=dataset_size, index_size=index_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -407,7 +408,9 @@ def setup(cfg: ExperimentConfig) -> Run:
     data = build_data(cfg, world)
     if acc.is_main_process and (note := shard_sharing_note(data.plan)):
         print(f"note: {note}", file=sys.stderr)
-    objective = build_objective_for(cfg, rank, world, data.schedule.num_samples)
+    # sample indices run over every source's shards (sizes.json): the per-sample tables' length
+    objective = build_objective_for(cfg, rank, world, data.schedule.num_samples,
+                                    index_size=sum(s.num_samples for s in data.sources))
     targets = target_source(cfg, data.sources, objective)
     if targets == "online":
         try:

@@ -84,9 +84,11 @@ def train_step(run: Run, batch: dict[str, Any]) -> StepResult:
         print(f"warning: non-finite loss at step {st.step} ({terms}): step skipped "
               f"({st.nonfinite_steps}/{cfg.train.max_skipped_steps})", file=sys.stderr)
         run.optimizer.zero_grad(set_to_none=True)
+        run.objective.discard_step()
         res.terms = {k: torch.zeros(()) if k.endswith(("_loss", "_unweighted")) else v for k, v in res.terms.items()}
         res.loss = torch.zeros(())
         return res
+    run.objective.commit_step()  # state that moves only with accepted steps (global_clip's estimates)
     if cfg.optim.grad_clip_norm is not None:
         acc.clip_grad_norm_(run.model.parameters(), cfg.optim.grad_clip_norm)
     run.optimizer.step()

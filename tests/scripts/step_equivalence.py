@@ -2,8 +2,8 @@
 batch is split across the launched processes; write the mean losses and a weight checksum to argv[1].
 Run by tests/test_train.py under ``accelerate launch`` with 2 and 4 CPU processes and as 1 process.
 
-argv[2] ``all``: besides clip + soft_target (5 steps), every objective alone (3 steps each), with and
-without gradient caching: the model's parameters, logit scale and bias included, must follow the
+argv[2] ``all``: besides clip + soft_target (5 steps), every objective alone (3 steps each; global_clip's
+per-sample estimates carried from step to step), with and without gradient caching: the model's parameters, logit scale and bias included, must follow the
 one-process run."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ OBJECTIVES = {
     "cwcl": "[{name: cwcl}]",
     "vrn": "[{name: clip}, {name: vrn, weight: 0.5}]",
     "align_uniform": "[{name: align_uniform}]",
+    "global_clip": "[{name: global_clip, options: {gamma: 0.5, gamma_schedule: constant}}]",
 }
 
 
@@ -58,7 +59,7 @@ def main(out_path: str, which: str = "default") -> None:
         model_cfg = resolve_model_cfg("mmpt-tiny-vit", None, {"vision_cfg": {"layers": 2, "patch_dropout": 0.0},
                                                               "text_cfg": {"layers": 2}})
         objective = build_objective([t.model_dump() for t in cfg.loss], rank=rank, world_size=world,
-                                    dataset_size=1000)
+                                    dataset_size=1000, index_size=1000)
         # as the trainer's build_model: the objective's initial scale and bias, unused ones frozen
         model = build_dual_encoder(model_cfg, lock_text=False, text_from_targets=False,
                                    init_logit_scale=objective.init_logit_scale,
@@ -76,8 +77,10 @@ def main(out_path: str, which: str = "default") -> None:
         losses = []
         for step in range(n_steps):
             rows = slice(rank * G // world, (rank + 1) * G // world)
+            # the same G samples every step, one epoch each: global_clip's estimates carry over (γ < 1)
             out = train_step(run, {"images": images[step, rows], "tokens": tokens[step, rows],
-                                   "target_embeddings": targets[step, rows], "epoch": 0})
+                                   "target_embeddings": targets[step, rows], "epoch": step,
+                                   "sample_index": torch.arange(G)[rows]})
             run.state.step += 1
             losses.append(acc.reduce(out.loss.reshape(1).double(), reduction="mean").item())
         w = acc.unwrap_model(model)
