@@ -1,0 +1,299 @@
+"""The README's "Evidence" section, generated from the experiment grid's JSON (no number typed by hand).
+
+    python scripts/evidence.py            print the section's generated block
+    python scripts/evidence.py --write    replace the block between the README's evidence markers and
+                                          draw bench_results/experiments/<data>_claims.png
+
+Reads bench_results/experiments/<data>.json as scripts/experiment.py writes it: per dataset the table
+(variant x metric, mean ± sd over seeds, Δ vs ``clip``, ``*`` when |Δ| > 2·sqrt(sd_v²/n + sd_clip²/n)),
+then each claim's measured check with the same rule, and the diagnostics that say why a claim does or
+does not reproduce. A test keeps the README's block equal to what this prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench_results" / "experiments"
+START, END = "<!-- evidence:start -->", "<!-- evidence:end -->"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from experiment import TABLE, VARIANTS  # noqa: E402  (one list of variants and tabled metrics)
+
+DATASETS = {
+    "mnist": "MNIST (`demo:mnist`: 4,000 training digits, 1,000 held-out, stratified; scikit-learn's 1,797 "
+             "8x8 digits as the out-of-domain zero-shot set)",
+    "openmoji": "OpenMoji (`demo:openmoji`: the demo's emoji and Unicode-name captions, held-out split)",
+}
+LABELS = {"heldout/acc1": "zero-shot acc1", "heldout/lp_acc1": "linear probe", "heldout/knn_acc1": "k-NN",
+          "heldout/ari": "ARI", "heldout/ari_preproj": "ARI pre-proj.", "digits/acc1": "digits acc1 (OOD)",
+          "retrieval/image_retrieval_recall@5": "image R@5"}
+
+
+def cell_value(cell: dict, source: str, key: str) -> float | None:
+    """A cell's number for a claim: a final metric, the last geometry diagnostic, or a region diagnostic
+    (``purity_first`` / ``purity_last``: scale m10's batch purity at its first and last logged step)."""
+    if source == "metrics":
+        return cell["metrics"].get(key)
+    if source == "geometry":
+        return cell.get("geometry", {}).get(key)
+    curve = [d for _, d in cell.get("regions") or [] if f"m10/{key.split('_')[0]}" in d]
+    if not curve:
+        return None
+    name = "m10/" + key.rsplit("_", 1)[0]
+    return curve[0][name] if key.endswith("_first") else curve[-1][name]
+
+
+def compare(values: list[float], ref: list[float], direction: int) -> dict:
+    """Mean, sd and Δ of ``values`` against ``ref`` (independent seeds), and the verdict on a claim that
+    ``values`` is higher (``direction`` +1) or lower (-1): the significance rule of the tables."""
+    mean, mref = statistics.fmean(values), statistics.fmean(ref)
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    sdr = statistics.stdev(ref) if len(ref) > 1 else 0.0
+    delta = mean - mref
+    bound = 2 * math.sqrt(sd ** 2 / len(values) + sdr ** 2 / len(ref))
+    if len(values) < 2 or len(ref) < 2:
+        verdict = "too few seeds"
+    elif abs(delta) <= bound:
+        verdict = "not significant"
+    elif delta * direction > 0:
+        verdict = "reproduces"
+    else:
+        verdict = "reversed"
+    return {"mean": mean, "sd": sd, "ref_mean": mref, "ref_sd": sdr, "delta": delta, "bound": bound,
+            "verdict": verdict}
+
+
+def fmt(x: float) -> str:
+    return f"{x:.3f}" if abs(x) >= 0.01 or x == 0 else f"{x:.2e}"
+
+
+def by_variant(cells: dict, batch: int) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for c in cells.values():
+        if c["batch_size"] == batch:
+            out.setdefault(c["variant"], []).append(c)
+    return out
+
+
+# (claim, variant, baseline, source, key, direction): baseline None compares two keys of the same cells
+CLAIMS = [
+    ("soft targets (X-CLR) raise held-out zero-shot accuracy over CLIP", "clip_soft_1.0", "clip", "metrics",
+     "heldout/acc1", +1),
+    ("soft targets at half weight", "clip_soft_0.5", "clip", "metrics", "heldout/acc1", +1),
+    ("CWCL raises held-out zero-shot accuracy over CLIP", "cwcl", "clip", "metrics", "heldout/acc1", +1),
+    ("VRN lowers the variance of negative similarities", "clip_vrn", "clip", "geometry", "neg_sim_var", -1),
+    # the share of negative pairs below -1/(B-1) (geometry/excessive_separation is only its 0/1 flag on the mean)
+    ("within-view negatives reduce excessive separation", "sigmoid_wvn", "sigmoid", "geometry",
+     "below_separation_fraction", -1),
+    ("within-view negatives raise sigmoid's held-out zero-shot accuracy", "sigmoid_wvn", "sigmoid", "metrics",
+     "heldout/acc1", +1),
+    ("region weighting (image space) raises region purity: held-out ARI vs CLIP", "regions_image", "clip", "metrics",
+     "heldout/ari", +1),
+    ("region weighting (target space) raises region purity: held-out ARI vs CLIP", "regions_target", "clip",
+     "metrics", "heldout/ari", +1),
+    ("pre-projection features cluster better than projected ones (CLIP, ARI)", "clip", None, "metrics",
+     ("heldout/ari_preproj", "heldout/ari"), +1),
+    ("FastCLIP-v3 (global_clip) raises held-out zero-shot accuracy over CLIP", "global_clip", "clip", "metrics",
+     "heldout/acc1", +1),
+]
+
+
+def batch_gap_rows(cells: dict, variant: str = "global_clip", metric: str = "heldout/acc1") -> list[str]:
+    """``variant`` against CLIP at every batch size holding both: the claim is that the gap grows as the
+    batch shrinks."""
+    rows = []
+    for batch in sorted({c["batch_size"] for c in cells.values()}):
+        groups = by_variant(cells, batch)
+        if variant in groups and "clip" in groups:
+            r = compare([c["metrics"][metric] for c in groups[variant]], [c["metrics"][metric] for c in groups["clip"]], +1)
+            rows.append((batch, r))
+    if len(rows) < 2:
+        return []
+    out = [f"`{variant}` against `clip` by batch size (`{metric}`, same steps):", "",
+           "| batch | clip | " + variant + " | Δ | verdict |", "|---|---|---|---|---|"]
+    out += [f"| {b} | {fmt(r['ref_mean'])} ± {fmt(r['ref_sd'])} | {fmt(r['mean'])} ± {fmt(r['sd'])} | "
+            f"{r['delta']:+.3g} (bound {r['bound']:.2g}) | {r['verdict']} |" for b, r in rows]
+    small, large = rows[0][1]["delta"], rows[-1][1]["delta"]
+    out += ["", f"Gap at batch {rows[0][0]} minus gap at batch {rows[-1][0]}: {small - large:+.3g} "
+            f"({'grows' if small > large else 'does not grow'} as the batch shrinks).", ""]
+    return out
+
+
+def claim_rows(cells: dict, batch: int) -> list[str]:
+    groups = by_variant(cells, batch)
+    out = ["| claim | measure | variant | baseline | Δ | verdict |", "|---|---|---|---|---|---|"]
+    for claim, variant, base, source, key, direction in CLAIMS:
+        if variant not in groups or (base and base not in groups):
+            continue
+        if base is None:  # two measures of the same cells
+            vals = [c["metrics"][key[0]] for c in groups[variant] if key[0] in c["metrics"]]
+            ref = [c["metrics"][key[1]] for c in groups[variant] if key[1] in c["metrics"]]
+            measure, vname, bname = f"`{key[0]}` vs `{key[1]}`", f"{variant}, pre-proj.", f"{variant}, projected"
+        else:
+            vals = [v for c in groups[variant] if (v := cell_value(c, source, key)) is not None]
+            ref = [v for c in groups[base] if (v := cell_value(c, source, key)) is not None]
+            measure, vname, bname = f"`{source}/{key}`", variant, base
+        if not vals or not ref:
+            continue
+        r = compare(vals, ref, direction)
+        out.append(f"| {claim} | {measure} | {vname}: {fmt(r['mean'])} ± {fmt(r['sd'])} | {bname}: "
+                   f"{fmt(r['ref_mean'])} ± {fmt(r['ref_sd'])} | {r['delta']:+.3g} (bound {r['bound']:.2g}) | "
+                   f"{r['verdict']} |")
+    return out
+
+
+def region_diagnostics(cells: dict, batch: int, steps: int) -> list[str]:
+    """How far Hedge moved each scale's weights (entropy against uniform log m, largest weight against
+    1/m) and the batch purity at the first and last logged step, mean over seeds."""
+    groups = by_variant(cells, batch)
+    out = []
+    for variant in ("regions_image", "regions_target"):
+        cs = [c for c in groups.get(variant, []) if c.get("regions")]
+        if not cs:
+            continue
+        parts = []
+        for m in (5, 10, 20):
+            last = [c["regions"][-1][1] for c in cs if f"m{m}/q_entropy" in c["regions"][-1][1]]
+            if not last:
+                continue
+            ent = statistics.fmean(d[f"m{m}/q_entropy"] for d in last)
+            qmax = statistics.fmean(d[f"m{m}/q_max"] for d in last)
+            parts.append(f"m = {m}: q entropy {ent:.4f} (uniform {math.log(m):.4f}), q max {qmax:.4f} (uniform "
+                         f"{1 / m:.4f})")
+        first = [cell_value(c, "regions", "purity_first") for c in cs]
+        last_p = [cell_value(c, "regions", "purity_last") for c in cs]
+        start = cs[0]["regions"][0][0]
+        out.append(f"- `{variant}` ({len(cs)} seeds), at step {steps}: " + "; ".join(parts)
+                   + f"; batch purity (m = 10) {statistics.fmean(first):.3f} at step {start}, "
+                   f"{statistics.fmean(last_p):.3f} at step {cs[0]['regions'][-1][0]}.")
+    return out
+
+
+def section(name: str, data: dict) -> list[str]:
+    cells, settings = data["cells"], data["settings"]
+    batches = sorted({c["batch_size"] for c in cells.values()})
+    seeds = sorted({c["seed"] for c in cells.values()})
+    wall = data.get("wall_seconds", data.get("wall_seconds_this_call"))
+    train_s = sum(c["train_seconds"] for c in cells.values())
+    out = [f"### {DATASETS.get(name, name)}", "",
+           f"{len(cells)} cells ({len({c['variant'] for c in cells.values()})} variants x seeds {seeds} x batch "
+           f"{batches}), {settings['steps']} steps each, held-out evaluation every {settings['eval_every']} steps; "
+           f"model `{settings.get('model')}` with `model.overrides` {json.dumps(settings.get('model_overrides', {}))}"
+           + (f", region warm-up {settings['region_warmup']} steps" if "region_warmup" in settings else "")
+           + f"; training processes {train_s / 60:.0f} min in all"
+           + (f", grid wall time {wall / 60:.0f} min" if wall else "") + f" (`bench_results/experiments/{name}.json`).",
+           ""]
+    metrics = [m for m in TABLE if any(m in c["metrics"] for c in cells.values())]
+    for batch in batches:
+        groups = by_variant(cells, batch)
+        ref = {m: [c["metrics"][m] for c in groups.get("clip", []) if m in c["metrics"]] for m in metrics}
+        out += ["| variant | seeds | " + " | ".join(LABELS.get(m, m) for m in metrics) + " |",
+                "|---|---|" + "---|" * len(metrics)]
+        for variant in sorted(groups, key=lambda v: list(VARIANTS).index(v) if v in VARIANTS else 99):
+            texts = []
+            for m in metrics:
+                vals = [c["metrics"][m] for c in groups[variant] if m in c["metrics"]]
+                if not vals:
+                    texts.append("–")
+                    continue
+                sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
+                text = f"{statistics.fmean(vals):.3f} ± {sd:.3f}"
+                if variant != "clip" and ref[m]:
+                    r = compare(vals, ref[m], +1)
+                    text += f" ({r['delta']:+.3f}{'*' if r['verdict'] in ('reproduces', 'reversed') else ''})"
+                texts.append(text)
+            out.append(f"| {variant} | {len(groups[variant])} | " + " | ".join(texts) + " |")
+        out.append("")
+        claims = claim_rows(cells, batch)
+        if len(claims) > 2:
+            out += [f"Claims at batch {batch}, each with its measured check (same significance rule):", ""]
+            out += claims + [""]
+        diag = region_diagnostics(cells, batch, settings["steps"])
+        if diag:
+            out += ["Region weighting, what Hedge did (mean over seeds):", ""] + diag + [""]
+    out += batch_gap_rows(cells)
+    out += [f"![held-out zero-shot acc1 over training](bench_results/experiments/{name}_acc1.png)",
+            f"![each claim's measure, every seed](bench_results/experiments/{name}_claims.png)", ""]
+    return out
+
+
+def load() -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json")) if p.stem in DATASETS}
+
+
+def block(found: dict[str, dict]) -> str:
+    out: list[str] = []
+    for name in DATASETS:
+        if name in found and found[name].get("cells"):
+            out += section(name, found[name])
+        else:
+            out += [f"### {DATASETS[name]}", "", "Not run yet.", ""]
+    return "\n".join(out).strip() + "\n"
+
+
+def plot_claims(name: str, data: dict, path: Path) -> None:
+    """Per claim, every seed's value of the variant and its baseline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = {c["batch_size"] for c in data["cells"].values()}  # the grid's batch: the one with most variants
+    batch = max(sorted(batches), key=lambda b: len(by_variant(data["cells"], b)))
+    groups = by_variant(data["cells"], batch)
+    todo = [c for c in CLAIMS if c[1] in groups and (c[2] is None or c[2] in groups)]
+    if not todo:
+        return
+    fig, axes = plt.subplots(1, len(todo), figsize=(2.2 * len(todo), 3.2))
+    for ax, (_, variant, base, source, key, _) in zip(list(axes) if len(todo) > 1 else [axes], todo):
+        if base is None:
+            pairs = [(f"{variant}\npre-proj.", [c["metrics"].get(key[0]) for c in groups[variant]]),
+                     (f"{variant}\nprojected", [c["metrics"].get(key[1]) for c in groups[variant]])]
+            title = "ARI"
+        else:
+            pairs = [(v, [cell_value(c, source, key) for c in groups[v]]) for v in (variant, base)]
+            title = key.split("/")[-1]
+        for i, (_, vals) in enumerate(pairs):
+            vals = [v for v in vals if v is not None]
+            ax.scatter([i] * len(vals), vals, s=14)
+            if vals:
+                ax.hlines(statistics.fmean(vals), i - 0.25, i + 0.25)
+        ax.set_xticks(range(len(pairs)), [p[0] for p in pairs], fontsize=6)
+        ax.set_title(title, fontsize=8)
+        ax.tick_params(axis="y", labelsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--write", action="store_true")
+    args = p.parse_args()
+    found = load()
+    text = block(found)
+    if not args.write:
+        print(text, end="")
+        return 0
+    readme = ROOT / "README.md"
+    body = readme.read_text()
+    if START not in body or END not in body:
+        print(f"error: {readme} lacks the {START} / {END} markers", file=sys.stderr)
+        return 2
+    head, rest = body.split(START, 1)
+    readme.write_text(head + START + "\n" + text + END + rest.split(END, 1)[1])
+    for name, data in found.items():
+        if data.get("cells"):
+            plot_claims(name, data, RESULTS / f"{name}_claims.png")
+    print(f"-> {readme}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
