@@ -248,7 +248,7 @@ def _two_steps(rank, world):
     return out, obj.log_u_image.clone(), obj.log_u_text.clone()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ranks_equal_one_process(tmp_path, world):
     one, ti, tt = _two_steps(0, 1)
     ranks = run_ranks(_two_steps, (), tmp_path, world=world)
