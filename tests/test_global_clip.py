@@ -227,6 +227,11 @@ def test_options_are_checked():
             make(**bad)
     with pytest.raises(ValueError, match="outside"):
         call(make(), *feats(0), torch.tensor(9.0), torch.arange(N, N + B), 1)
+    from mmpretrain.losses import build_objective
+
+    with pytest.raises(ValueError, match="smaller than the training data's 50 samples"):
+        build_objective([{"name": "global_clip", "options": {"index_size": 20}}], index_size=50)
+    assert build_objective([{"name": "global_clip"}], index_size=50).terms[0].log_u_text.numel() == 50
 
 
 # ---------------------------------------------------------------- 2 and 4 gloo ranks

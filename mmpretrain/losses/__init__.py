@@ -110,7 +110,9 @@ def build_objective(terms: Sequence[dict], rank: int = 0, world_size: int = 1,
         if getattr(cls, "needs_dataset_size", False) and dataset_size is not None:
             options.setdefault("dataset_size", dataset_size)
         if getattr(cls, "needs_index_size", False) and index_size is not None:
-            options.setdefault("index_size", index_size)
+            if options.setdefault("index_size", index_size) < index_size:
+                raise ValueError(f"loss {name}: options.index_size={options['index_size']} is smaller than the "
+                                 f"training data's {index_size} samples; leave it unset (the trainer sets it)")
         built.append((name, t.get("weight", 1.0), cls(rank=rank, world_size=world_size, **options)))
     return WeightedObjective(built)
 

@@ -90,8 +90,8 @@ class GlobalClipLoss(Objective):
         if not temperature > 0:
             raise ValueError(f"global_clip: temperature={temperature} must be positive")
         if chunk_size is not None:
-            raise ValueError("global_clip: chunk_size (tiling) is not supported; it computes the B x B "
-                             "similarities once in fp32 (leave loss_chunk_size unset for this term)")
+            raise ValueError("global_clip: chunk_size (tiling) is not supported yet; it computes the B x B "
+                             "similarities once in fp32 (remove chunk_size from its options)")
         self.gamma, self.gamma_schedule, self.gamma_decay_epochs = float(gamma), gamma_schedule, int(gamma_decay_epochs)
         self.scheme, self.rho = temperature_scheme, float(rho)
         self.init_logit_scale = math.log(1 / temperature)
