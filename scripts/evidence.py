@@ -24,6 +24,7 @@ RESULTS = ROOT / "bench_results" / "experiments"
 START, END = "<!-- evidence:start -->", "<!-- evidence:end -->"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from experiment import TABLE, VARIANTS  # noqa: E402  (one list of variants and tabled metrics)
+from perf_table import write_block  # noqa: E402
 
 DATASETS = {
     "mnist": "MNIST (`demo:mnist`: 4,000 training digits, 1,000 held-out, stratified; scikit-learn's 1,797 "
@@ -281,17 +282,13 @@ def main() -> int:
     if not args.write:
         print(text, end="")
         return 0
-    readme = ROOT / "README.md"
-    body = readme.read_text()
-    if START not in body or END not in body:
-        print(f"error: {readme} lacks the {START} / {END} markers", file=sys.stderr)
+    if not write_block(START, END, text):
+        print(f"error: README.md lacks the {START} / {END} markers", file=sys.stderr)
         return 2
-    head, rest = body.split(START, 1)
-    readme.write_text(head + START + "\n" + text + END + rest.split(END, 1)[1])
     for name, data in found.items():
         if data.get("cells"):
             plot_claims(name, data, RESULTS / f"{name}_claims.png")
-    print(f"-> {readme}")
+    print(f"-> {ROOT / 'README.md'}")
     return 0
 
 

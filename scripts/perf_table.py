@@ -97,16 +97,23 @@ def main() -> int:
     if not args.write:
         print(text)
         return 0
-    readme = ROOT / "README.md"
-    doc = readme.read_text()
-    if START not in doc or END not in doc:
+    if not write_block(START, END, text):
         print(f"error: README.md lacks the {START} ... {END} markers", file=sys.stderr)
         return 2
-    head, rest = doc.split(START, 1)
-    _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{START}\n{text}\n{END}{tail}")
     print(f"README.md performance table: {len(text.splitlines()) - 2} rows")
     return 0
+
+
+def write_block(start: str, end: str, text: str) -> bool:
+    """Replace what lies between the README's ``start`` and ``end`` markers by ``text`` (also used by
+    scripts/evidence.py); False, and nothing written, when a marker is missing."""
+    readme = ROOT / "README.md"
+    doc = readme.read_text()
+    if start not in doc or end not in doc:
+        return False
+    head, rest = doc.split(start, 1)
+    readme.write_text(f"{head}{start}\n{text.rstrip(chr(10))}\n{end}{rest.split(end, 1)[1]}")
+    return True
 
 
 if __name__ == "__main__":
