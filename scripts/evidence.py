@@ -105,24 +105,76 @@ CLAIMS = [
 ]
 
 
-def batch_gap_rows(cells: dict, variant: str = "global_clip", metric: str = "heldout/acc1") -> list[str]:
-    """``variant`` against CLIP at every batch size holding both: the claim is that the gap grows as the
-    batch shrinks."""
+def _gaps(cells: dict, variant: str, metric: str) -> list[tuple[int, dict, float | None]]:
+    """``(batch, comparison, mean epochs)`` for every batch size holding both ``variant`` and CLIP."""
     rows = []
     for batch in sorted({c["batch_size"] for c in cells.values()}):
         groups = by_variant(cells, batch)
         if variant in groups and "clip" in groups:
             r = compare([c["metrics"][metric] for c in groups[variant]], [c["metrics"][metric] for c in groups["clip"]], +1)
-            rows.append((batch, r))
+            epochs = [c["epochs"] for c in groups[variant] + groups["clip"] if c.get("epochs") is not None]
+            rows.append((batch, r, statistics.fmean(epochs) if epochs else None))
+    return rows
+
+
+def _gap_table(rows: list, variant: str, steps: int) -> list[str]:
+    out = ["| batch | steps | epochs | clip | " + variant + " | Δ | verdict |", "|---|---|---|---|---|---|---|"]
+    out += [f"| {b} | {steps} | {'–' if e is None else f'{e:.1f}'} | {fmt(r['ref_mean'])} ± {fmt(r['ref_sd'])} | "
+            f"{fmt(r['mean'])} ± {fmt(r['sd'])} | {r['delta']:+.3g} (bound {r['bound']:.2g}) | {r['verdict']} |"
+            for b, r, e in rows]
+    return out
+
+
+def batch_gap_rows(cells: dict, steps: int, variant: str = "global_clip", metric: str = "heldout/acc1") -> list[str]:
+    """``variant`` against CLIP at every batch size holding both: the claim is that the gap grows as the
+    batch shrinks."""
+    rows = _gaps(cells, variant, metric)
     if len(rows) < 2:
         return []
-    out = [f"`{variant}` against `clip` by batch size (`{metric}`, same steps):", "",
-           "| batch | clip | " + variant + " | Δ | verdict |", "|---|---|---|---|---|"]
-    out += [f"| {b} | {fmt(r['ref_mean'])} ± {fmt(r['ref_sd'])} | {fmt(r['mean'])} ± {fmt(r['sd'])} | "
-            f"{r['delta']:+.3g} (bound {r['bound']:.2g}) | {r['verdict']} |" for b, r in rows]
-    small, large = rows[0][1]["delta"], rows[-1][1]["delta"]
-    out += ["", f"Gap at batch {rows[0][0]} minus gap at batch {rows[-1][0]}: {small - large:+.3g} "
-            f"({'grows' if small > large else 'does not grow'} as the batch shrinks).", ""]
+    out = [f"`{variant}` against `clip` by batch size (`{metric}`, same steps):", ""] + _gap_table(rows, variant, steps)
+    out += ["", f"Gap at batch {rows[0][0]} minus gap at batch {rows[-1][0]}: "
+            + _gap_change(rows[0][1], rows[-1][1]) + ".", ""]
+    return out
+
+
+def _gap_change(small: dict, large: dict) -> str:
+    """The gap at the smaller batch minus the gap at the larger, with the bound of a difference of two
+    independent Δs (sqrt(bound_1² + bound_2²), the same 2-standard-error rule)."""
+    diff, bound = small["delta"] - large["delta"], math.hypot(small["bound"], large["bound"])
+    verdict = "grows as the batch shrinks" if diff > bound else (
+        "shrinks as the batch shrinks" if diff < -bound else "inside the bound: no measured change with batch size")
+    return f"{diff:+.3g} (bound {bound:.2g}; {verdict})"
+
+
+# further grids of a dataset, each in bench_results/experiments/<folder>/<data>.json (experiment.py --out),
+# each asking one question of the main grid's result
+SUPPLEMENTS = {
+    "long_schedule": ("`global_clip` against `clip` over a longer schedule at batch 32, about as many epochs as "
+                      "batch 128 gets in the main grid: whether the per-sample estimates need more passes over the data "
+                      "than the short schedule gives them", "global_clip", "heldout/acc1"),
+}
+
+
+def supplement_rows(folder: str, name: str, data: dict, main: dict | None = None) -> list[str]:
+    """The supplementary grid's comparison; with the main grid's cells, also its gap against the main
+    grid's batch size whose cells ran the closest number of epochs."""
+    question, variant, metric = SUPPLEMENTS[folder]
+    rows = _gaps(data["cells"], variant, metric)
+    if not rows:
+        return []
+    s = data["settings"]
+    out = ([f"{question[0].upper()}{question[1:]} (`bench_results/experiments/{folder}/{name}.json`, "
+            f"{len(data['cells'])} cells, `{metric}`, held-out evaluation every {s['eval_every']} steps):", ""]
+           + _gap_table(rows, variant, s["steps"]) + [""])
+    others = [r for r in _gaps(main or {}, variant, metric) if r[2] is not None]
+    for batch, r, epochs in rows:
+        near = [o for o in others if o[0] != batch]
+        if epochs is None or not near:
+            continue
+        b2, r2, e2 = min(near, key=lambda o: abs(o[2] - epochs))
+        small, large = (r, r2) if batch < b2 else (r2, r)
+        out += [f"At about the same epochs ({epochs:.1f} here, {e2:.1f} for the main grid's batch {b2}), the gap at "
+                f"batch {min(batch, b2)} minus the gap at batch {max(batch, b2)}: {_gap_change(small, large)}.", ""]
     return out
 
 
@@ -176,7 +228,7 @@ def region_diagnostics(cells: dict, batch: int, steps: int) -> list[str]:
     return out
 
 
-def section(name: str, data: dict) -> list[str]:
+def section(name: str, data: dict, supplements: dict[str, dict] | None = None) -> list[str]:
     cells, settings = data["cells"], data["settings"]
     batches = sorted({c["batch_size"] for c in cells.values()})
     seeds = sorted({c["seed"] for c in cells.values()})
@@ -218,7 +270,9 @@ def section(name: str, data: dict) -> list[str]:
         diag = region_diagnostics(cells, batch, settings["steps"])
         if diag:
             out += ["Region weighting, what Hedge did (mean over seeds):", ""] + diag + [""]
-    out += batch_gap_rows(cells)
+    out += batch_gap_rows(cells, settings["steps"])
+    for folder, extra in (supplements or {}).items():
+        out += supplement_rows(folder, name, extra, cells)
     out += [f"![held-out zero-shot acc1 over training](bench_results/experiments/{name}_acc1.png)",
             f"![each claim's measure, every seed](bench_results/experiments/{name}_claims.png)", ""]
     return out
@@ -228,11 +282,22 @@ def load() -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json")) if p.stem in DATASETS}
 
 
-def block(found: dict[str, dict]) -> str:
+def load_supplements() -> dict[str, dict[str, dict]]:
+    """``data -> folder -> grid`` for every supplementary grid that has been run."""
+    found: dict[str, dict[str, dict]] = {}
+    for folder in SUPPLEMENTS:
+        for name in DATASETS:
+            p = RESULTS / folder / f"{name}.json"
+            if p.is_file():
+                found.setdefault(name, {})[folder] = json.loads(p.read_text())
+    return found
+
+
+def block(found: dict[str, dict], supplements: dict[str, dict[str, dict]] | None = None) -> str:
     out: list[str] = []
     for name in DATASETS:
         if name in found and found[name].get("cells"):
-            out += section(name, found[name])
+            out += section(name, found[name], (supplements or {}).get(name))
         else:
             out += [f"### {DATASETS[name]}", "", "Not run yet.", ""]
     return "\n".join(out).strip() + "\n"
@@ -278,7 +343,7 @@ def main() -> int:
     p.add_argument("--write", action="store_true")
     args = p.parse_args()
     found = load()
-    text = block(found)
+    text = block(found, load_supplements())
     if not args.write:
         print(text, end="")
         return 0

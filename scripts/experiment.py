@@ -145,17 +145,23 @@ def final_eval(run: Path, data: Path, name: str, tasks: list[str]) -> dict[str, 
 
 
 def train_cell(variant: str, seed: int, batch: int, args, data: Path, name: str, work: Path) -> dict:
-    run = work / name / f"{variant}_s{seed}_b{batch}"
+    # a grid of another length gets its own folders beside the default grid's (and reuses its built data)
+    run = work / name / (f"{variant}_s{seed}_b{batch}" + ("" if args.steps == STEPS else f"_{args.steps}steps"))
     spec = run.parent / f"{run.name}.yaml"
+    config = cell_config(variant, seed, batch, args, data, run)
     if run.exists():  # unfinished (finished cells are in the JSON): start it again -- if this script made it
         if not spec.is_file():
             raise SystemExit(f"error: {run} exists but this script did not make it (no {spec.name} beside it); "
                              "pass another --work")
+        # another grid's cell (other settings, or finished but not in this --out's JSON): never replaced
+        if yaml.safe_load(spec.read_text()) != config or (run / "final_results.json").is_file():
+            raise SystemExit(f"error: {run} is a cell of another grid ({spec} differs from this one's config, or "
+                             "the cell finished and is not in this --out's JSON); pass another --work")
         import shutil
 
         shutil.rmtree(run)
     run.mkdir(parents=True)
-    spec.write_text(yaml.safe_dump(cell_config(variant, seed, batch, args, data, run)))
+    spec.write_text(yaml.safe_dump(config))
     t0 = time.time()
     run_cli("mmpretrain.train", "--config", str(spec), log=run / "experiment.log")
     seconds = time.time() - t0
@@ -170,7 +176,8 @@ def train_cell(variant: str, seed: int, batch: int, args, data: Path, name: str,
                                   and k.rsplit("/", 1)[1] in ("purity", "q_entropy", "q_max")}]
                      for r in records if any(k.endswith("/purity") for k in r)]
     final_loss = next((r["loss"] for r in reversed(records) if "loss" in r), None)
-    return {"variant": variant, "seed": seed, "batch_size": batch, "steps": args.steps,
+    epochs = next((r["epoch"] for r in reversed(records) if "epoch" in r), None)  # passes over the training data
+    return {"variant": variant, "seed": seed, "batch_size": batch, "steps": args.steps, "epochs": epochs,
             "train_seconds": round(seconds, 1), "metrics": final_eval(run, data, name, args.tasks), "curve": curve,
             "geometry": geometry, "regions": regions_curve, "final_loss": final_loss, "tasks": args.tasks}
 

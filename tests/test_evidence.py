@@ -57,3 +57,33 @@ def test_section_tables_and_claims_from_a_grid():
     pre = next(line for line in text.splitlines() if line.startswith("| pre-projection"))
     assert pre.endswith("| reversed |")  # ari_preproj = acc/3 < ari = acc/2 in every seed
     assert "q entropy 2.2000 (uniform 2.3026)" in text and "batch purity (m = 10) 0.500 at step 20, 0.700 at step 50" in text
+
+
+def test_batch_gap_and_a_supplementary_grid_show_steps_epochs_and_verdicts():
+    def cells(batches, epochs):
+        out = {}
+        for b, e in zip(batches, epochs):
+            for s in range(3):
+                for v, acc in (("clip", 0.90), ("global_clip", 0.85 if b == 32 else 0.95)):
+                    c = _cell(v, s, acc + 0.001 * s)
+                    out[f"{v}|seed{s}|b{b}"] = {**c, "batch_size": b, "epochs": e}
+        return out
+
+    main = "\n".join(evidence.batch_gap_rows(cells([32, 128], [4.4, 17.7]), 550))
+    assert "| 32 | 550 | 4.4 | 0.901 ± 1.00e-03 | 0.851 ± 1.00e-03 | -0.05 (bound 0.0016) | reversed |" in main
+    assert "| 128 | 550 | 17.7 |" in main and "+0.05 (bound 0.0016) | reproduces |" in main
+    # the change of the gap against the bound of a difference of two Δs: sqrt(0.0016² + 0.0016²)
+    assert "Gap at batch 32 minus gap at batch 128: -0.1 (bound 0.0023; shrinks as the batch shrinks)." in main
+    long = {"cells": cells([32], [17.7]), "settings": {"steps": 2200, "eval_every": 440}}
+    text = "\n".join(evidence.supplement_rows("long_schedule", "mnist", long))
+    assert "`bench_results/experiments/long_schedule/mnist.json`, 6 cells" in text
+    assert "| 32 | 2200 | 17.7 |" in text and text.splitlines()[0].startswith("`global_clip` against `clip` over")
+    # against the main grid's batch with the closest epochs (128 here: 17.7, against 4.4 at batch 32)
+    text = "\n".join(evidence.supplement_rows("long_schedule", "mnist", long, cells([32, 128], [4.4, 17.7])))
+    assert ("At about the same epochs (17.7 here, 17.7 for the main grid's batch 128), the gap at batch 32 minus "
+            "the gap at batch 128: -0.1 (bound 0.0023; shrinks as the batch shrinks).") in text
+    # one batch size is enough for a supplement; nothing to compare renders nothing
+    assert evidence.supplement_rows("long_schedule", "mnist", {"cells": {}, "settings": long["settings"]}) == []
+    small, large = {"delta": -0.01, "bound": 0.02}, {"delta": -0.02, "bound": 0.02}
+    assert evidence._gap_change(small, large) == "+0.01 (bound 0.028; inside the bound: no measured change with batch size)"
+    assert "grows as the batch shrinks" in evidence._gap_change({"delta": 0.05, "bound": 0.01}, large)

@@ -10,6 +10,8 @@ import sys
 import tarfile
 
 import numpy as np
+import pytest
+import yaml
 
 from data_tools.sources import mnist
 
@@ -51,6 +53,7 @@ def test_build_demo_mnist_layout(tmp_path):
     assert again.returncode != 0 and "--overwrite" in again.stderr  # nothing rebuilt over it silently
 
 
+@pytest.mark.slow  # ~45 s: two cells trained and evaluated; the committed grids are checked by test_evidence
 def test_experiment_smoke_writes_resumes_and_summarises(openmoji, tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts/experiment.py"), "clip", "sigmoid", "--data", str(openmoji),
            "--seeds", "0", "--steps", "3", "--eval-every", "3", "--batch-sizes", "32",
@@ -63,7 +66,8 @@ def test_experiment_smoke_writes_resumes_and_summarises(openmoji, tmp_path):
     cell = res["cells"]["sigmoid|seed0|b32"]
     for m in ("heldout/acc1", "heldout/knn_acc1", "heldout/knn_acc1_preproj", "retrieval/image_retrieval_recall@5"):
         assert 0 <= cell["metrics"][m] <= 1, m
-    assert [s for s, _ in cell["curve"]] == [3] and "neg_sim_var" in cell["geometry"]
+    assert [s for s, _ in cell["curve"]] == [3] and "neg_sim_var" in cell["geometry"] and cell["epochs"] > 0
+    assert (tmp_path / "work/openmoji/sigmoid_s0_b32_3steps/final_results.json").is_file()  # not the 550-step grid's
     sig = next(r for r in res["summary"] if r["variant"] == "sigmoid" and r["metric"] == "heldout/acc1")
     clip = res["cells"]["clip|seed0|b32"]["metrics"]["heldout/acc1"]
     assert sig["delta"] == cell["metrics"]["heldout/acc1"] - clip and sig["significant"] is False  # n = 1
@@ -78,12 +82,30 @@ def test_experiment_smoke_writes_resumes_and_summarises(openmoji, tmp_path):
 
 def test_experiment_restarts_only_run_folders_it_made(openmoji, tmp_path):
     """An unfinished cell is retrained from scratch, its folder removed first -- but a folder of that name
-    that the script did not make (no cell config beside it) is refused and left as it is."""
-    mine = tmp_path / "work/openmoji/clip_s0_b32"
-    mine.mkdir(parents=True)
-    (mine / "notes.txt").write_text("a user's file")
-    r = subprocess.run([sys.executable, str(ROOT / "scripts/experiment.py"), "clip", "--data", str(openmoji),
-                        "--seeds", "0", "--steps", "3", "--batch-sizes", "32", "--out", str(tmp_path / "out"),
-                        "--work", str(tmp_path / "work")], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "did not make it" in r.stderr
-    assert (mine / "notes.txt").read_text() == "a user's file"
+    that the script did not make (no cell config beside it), a cell of another grid (another config
+    beside it) and a finished cell that is not in this grid's JSON (another --out) are refused and left
+    as they are."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import argparse
+
+    import experiment
+
+    run = tmp_path / "work/openmoji/clip_s0_b32_3steps"
+    cmd = [sys.executable, str(ROOT / "scripts/experiment.py"), "clip", "--data", str(openmoji), "--seeds", "0",
+           "--steps", "3", "--batch-sizes", "32", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]
+    args = argparse.Namespace(steps=3, eval_every=110)
+    config = experiment.cell_config("clip", 0, 32, args, openmoji, run)
+    spec = run.parent / f"{run.name}.yaml"
+    for case, spec_text, finished, message in [
+            ("not ours", None, False, "did not make it"),
+            ("another config", yaml.safe_dump({**config, "seed": 7}), False, "is a cell of another grid"),
+            ("finished elsewhere", yaml.safe_dump(config), True, "is a cell of another grid")]:
+        run.mkdir(parents=True, exist_ok=True)
+        (run / "notes.txt").write_text("a user's file")
+        if finished:
+            (run / "final_results.json").write_text("{}")
+        if spec_text is not None:
+            spec.write_text(spec_text)
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and message in r.stderr and "--work" in r.stderr, (case, r.stderr[-2000:])
+        assert (run / "notes.txt").read_text() == "a user's file", case
