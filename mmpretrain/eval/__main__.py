@@ -48,14 +48,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
 
-    # open_clip takes ~5 s to import: after argument parsing, so that --help and usage errors are instant
-    from mmpretrain.models.factory import load_model
-
     proc = current_process()
     device = args.device or proc.device
     try:
-        # every dataset is checked before the model loads
+        # every dataset is checked before the model loads, and before open_clip is imported (~5 s): a
+        # wrong path or a broken dataset is answered at once
         data = [load_task_data(d, t) for d, t in zip(args.dataset, tasks)]
+        from mmpretrain.models.factory import load_model
+
         model, preprocess, tokenizer = load_model(args.model, device=device, pretrained=args.pretrained)
         if args.templates:
             templates = named_templates(args.templates)
