@@ -80,31 +80,24 @@ def check_engine_run(ddp: Path, run_dir: Path, resumed: Path, rel: float = 1e-5)
     assert all(torch.equal(wr[k], we[k]) for k in we)
 
 
-def test_fsdp_trains_as_ddp_resumes_exactly_evaluates_and_exports(openmoji, ddp, tmp_path):
-    """The shipped fsdp.yaml (FSDP1, use_orig_params, full state dict): logit scale and bias built as
-    1-element vectors (FSDP1 refuses 0-dim parameters), evaluation inside summon_full_params, the
-    gathered model.safetensors beside accelerate's pytorch_model_fsdp.bin."""
-    run_dir, resumed = tmp_path / "fsdp", tmp_path / "resumed"
+@pytest.fixture(scope="module")
+def fsdp(openmoji, tmp_path_factory) -> Path:
+    """The shipped fsdp.yaml's 6 steps, evaluated at the last (every test here reads, none writes)."""
+    run_dir = tmp_path_factory.mktemp("engines") / "fsdp"
     evals = f"eval={{every: {STEPS}, datasets: [{openmoji}], tasks: [zeroshot_classification], num_workers: 0}}"
     launch(openmoji, run_dir, "fsdp", FSDP, evals)
+    return run_dir
+
+
+def test_fsdp_trains_as_ddp_resumes_exactly_and_exports(openmoji, ddp, fsdp, tmp_path):
+    """The shipped fsdp.yaml (FSDP1, use_orig_params, full state dict): logit scale and bias built as
+    1-element vectors (FSDP1 refuses 0-dim parameters), the gathered model.safetensors beside
+    accelerate's pytorch_model_fsdp.bin."""
+    run_dir, resumed = fsdp, tmp_path / "resumed"
     ckpt = run_dir / f"checkpoints/step_{STEPS:08d}"
     assert {"pytorch_model_fsdp.bin", "optimizer.bin", "model.safetensors"} <= {p.name for p in ckpt.iterdir()}
     launch(openmoji, resumed, "fsdp", FSDP, f"resume={run_dir / 'checkpoints/step_00000003'}")
     check_engine_run(ddp, run_dir, resumed)
-    # a checkpoint of another engine is refused before any work (accelerate would fail inside load_state)
-    r = launch(openmoji, tmp_path / "cross", "fsdp", FSDP, f"resume={ddp / 'checkpoints/step_00000003'}", check=False)
-    assert r.returncode != 0 and "was written under DDP, this launch uses FSDP" in r.stderr, r.stderr[-2000:]
-    assert "model.pretrained=" in r.stderr and not (tmp_path / "cross").exists()
-
-    # the evaluation during training (sharded model, full weights gathered) = the CLI's on the checkpoint
-    during = json.loads((run_dir / "results.json").read_text())["results"][0]
-    out = tmp_path / "after.json"
-    r = run_cli("mmpretrain.eval", "--model", str(run_dir), "--dataset", str(openmoji), "--task",
-                "zeroshot_classification", "--output", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    after = json.loads(out.read_text())["results"][0]
-    assert during["n"] == after["n"] > 0
-    assert during["metrics"] == pytest.approx(after["metrics"], abs=1 / after["n"])  # at most one image flips
 
     # the export holds the trained weights, with open_clip's 0-dim logit scale
     r = run_cli("mmpretrain.export", str(run_dir), "--out", str(tmp_path / "export"))
@@ -114,6 +107,24 @@ def test_fsdp_trains_as_ddp_resumes_exactly_evaluates_and_exports(openmoji, ddp,
     assert exported["logit_scale"].shape == ()
     clip = {k.removeprefix("clip."): v for k, v in trained.items() if k.startswith("clip.")}
     assert exported.keys() == clip.keys() and all(torch.equal(exported[k], v) for k, v in clip.items())
+
+
+@pytest.mark.slow  # ~25 s more on top of the FSDP run: make test-slow
+def test_fsdp_evaluates_full_weights_and_refuses_another_engines_checkpoint(openmoji, ddp, fsdp, tmp_path):
+    """Evaluation inside summon_full_params during training = the CLI's on the checkpoint; a DDP
+    checkpoint resumed under FSDP is refused before any work (accelerate would fail inside load_state)."""
+    r = launch(openmoji, tmp_path / "cross", "fsdp", FSDP, f"resume={ddp / 'checkpoints/step_00000003'}", check=False)
+    assert r.returncode != 0 and "was written under DDP, this launch uses FSDP" in r.stderr, r.stderr[-2000:]
+    assert "model.pretrained=" in r.stderr and not (tmp_path / "cross").exists()
+
+    during = json.loads((fsdp / "results.json").read_text())["results"][0]
+    out = tmp_path / "after.json"
+    r = run_cli("mmpretrain.eval", "--model", str(fsdp), "--dataset", str(openmoji), "--task",
+                "zeroshot_classification", "--output", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    after = json.loads(out.read_text())["results"][0]
+    assert during["n"] == after["n"] > 0
+    assert during["metrics"] == pytest.approx(after["metrics"], abs=1 / after["n"])  # at most one image flips
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ def bench(tmp_path: Path, openmoji: Path, *extra: str, env: dict | None = None) 
     return json.loads((tmp_path / "out/gpu.json").read_text())["sections"]
 
 
+@pytest.mark.slow  # ~65 s; the sections' pieces are tested on their own (test_precision, test_regions, test_engines)
 def test_gpu_bench_cpu_path_runs_every_section(openmoji, tmp_path):
     res = bench(tmp_path, openmoji)
     step = res["step"]

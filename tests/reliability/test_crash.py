@@ -64,6 +64,8 @@ def _crash_and_resume(openmoji, tmp_path, kills: int, seed: int):
     assert _losses(a) == _losses(b) and [x[0] for x in _losses(b)] == list(range(1, 9))
 
 
+@pytest.mark.slow  # ~45 s; make test keeps a kill -9 during a checkpoint write (below) and the trainer's
+# bit-identical resume after a crash (test_train.py)
 def test_two_kills_then_resume_is_bit_identical(openmoji, tmp_path):
     _crash_and_resume(openmoji, tmp_path, kills=2, seed=0)
 
