@@ -3,6 +3,7 @@ model, and no network sockets except loopback (gloo uses 127.0.0.1)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -36,9 +37,85 @@ def _no_network():
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run ``python -m ...`` as a user would, with the test environment."""
+    """Run ``python -m ...`` as a user would, in a new interpreter, with the test environment. For tests
+    about the process itself (its exit status, what a fresh interpreter imports, a kill, a launcher);
+    every other command-line test uses :func:`run_main`."""
     return subprocess.run([sys.executable, "-m", *args], cwd=cwd or ROOT, capture_output=True, text=True,
                           timeout=timeout, env=dict(os.environ))
+
+
+MAINS = {"mmpretrain.train": "mmpretrain.train.cli", "mmpretrain.eval": "mmpretrain.eval.__main__",
+         "mmpretrain.export": "mmpretrain.export", "data_tools": "data_tools.__main__"}
+
+
+@contextlib.contextmanager
+def _captured_fds():
+    """stdout and stderr at the file-descriptor level, for this process and the processes it forks (the
+    loader workers), as a new interpreter's pipes would hold them: yields ``[out, err]``, filled on exit."""
+    import tempfile
+
+    got = ["", ""]
+    files = [tempfile.TemporaryFile(mode="w+b"), tempfile.TemporaryFile(mode="w+b")]
+    saved_streams = sys.stdout, sys.stderr
+    for stream in saved_streams:
+        stream.flush()
+    saved_fds = [os.dup(1), os.dup(2)]
+    try:
+        os.dup2(files[0].fileno(), 1)
+        os.dup2(files[1].fileno(), 2)
+        sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+        sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+        yield got
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.stdout, sys.stderr = saved_streams
+        os.dup2(saved_fds[0], 1)
+        os.dup2(saved_fds[1], 2)
+        for fd in saved_fds:
+            os.close(fd)
+        for i, f in enumerate(files):
+            f.seek(0)
+            got[i] = f.read().decode("utf-8", "replace")
+            f.close()
+
+
+def reset_process_state() -> None:
+    """What one ``python -m`` run leaves behind in this process and the next would inherit: accelerate's
+    process-wide state (an Accelerator is a per-process singleton) and the remote-read options the
+    trainer sets from data.remote."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from mmpretrain.data import remote
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    remote.configure(remote.RemoteOptions())
+
+
+def run_main(*args: str) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS`` (MODULE: mmpretrain.train, mmpretrain.eval, mmpretrain.export or
+    data_tools) through the same ``main`` in this process, without a new interpreter's ~9 s of imports:
+    its exit status (2 for an argparse error, 1 with the traceback on stderr for an exception that
+    would have ended the interpreter), stdout and stderr (the loader workers' too)."""
+    import importlib
+    import traceback
+
+    module, argv = importlib.import_module(MAINS[args[0]]), list(args[1:])
+    reset_process_state()
+    code = 0
+    try:
+        with _captured_fds() as got:
+            try:
+                code = module.main(argv)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except Exception:
+                traceback.print_exc()
+                code = 1
+    finally:
+        reset_process_state()
+    return subprocess.CompletedProcess([args[0], *argv], code, got[0], got[1])
 
 
 @pytest.fixture(scope="session")
@@ -60,10 +137,10 @@ def emoji_images(tmp_path_factory) -> list[tuple[Path, str]]:
 def openmoji(tmp_path_factory) -> Path:
     """A small real dataset: 500 OpenMoji emoji, built and embedded through the public commands."""
     out = tmp_path_factory.mktemp("data") / "openmoji"
-    r = run_cli("data_tools", "build", "demo:openmoji", "--out", str(out), "--image-size", "32",
+    r = run_main("data_tools", "build", "demo:openmoji", "--out", str(out), "--image-size", "32",
                 "--shard-size", "50", "--limit", "500")
     assert r.returncode == 0, r.stderr
-    r = run_cli("data_tools", "embed", str(out), "--model", TEXT_MODEL)
+    r = run_main("data_tools", "embed", str(out), "--model", TEXT_MODEL)
     assert r.returncode == 0, r.stderr
     return out
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from mmpretrain.data.tar import read_tar
 
-from conftest import TEXT_MODEL, run_cli
+from conftest import TEXT_MODEL, run_main
 
 
 def test_build_layout(openmoji):
@@ -40,7 +40,7 @@ def test_build_layout(openmoji):
 
 
 def test_split_is_deterministic_and_disjoint(openmoji, tmp_path):
-    r = run_cli("data_tools", "build", "demo:openmoji", "--out", str(tmp_path / "again"), "--image-size", "32",
+    r = run_main("data_tools", "build", "demo:openmoji", "--out", str(tmp_path / "again"), "--image-size", "32",
                 "--shard-size", "50", "--limit", "500")
     assert r.returncode == 0, r.stderr
     keys = {}
@@ -54,15 +54,15 @@ def test_split_is_deterministic_and_disjoint(openmoji, tmp_path):
 
 
 def test_verify_stats_and_refusals(openmoji, tmp_path):
-    r = run_cli("data_tools", "verify", str(openmoji))
+    r = run_main("data_tools", "verify", str(openmoji))
     assert r.returncode == 0, r.stdout + r.stderr
-    stats = json.loads(run_cli("data_tools", "stats", str(openmoji / "test")).stdout)
+    stats = json.loads(run_main("data_tools", "stats", str(openmoji / "test")).stdout)
     assert stats[0]["with_embedding"] == stats[0]["samples"]
     # rebuilding over an existing dataset needs --overwrite; nothing is touched without it
-    r = run_cli("data_tools", "build", "demo:openmoji", "--out", str(openmoji), "--limit", "50")
+    r = run_main("data_tools", "build", "demo:openmoji", "--out", str(openmoji), "--limit", "50")
     assert r.returncode == 2 and "--overwrite" in r.stderr
     # another embedding model than the recorded one
-    r = run_cli("data_tools", "embed", str(openmoji), "--model", "some/other-model")
+    r = run_main("data_tools", "embed", str(openmoji), "--model", "some/other-model")
     assert r.returncode == 2 and "--overwrite" in r.stderr
 
 
@@ -74,11 +74,11 @@ def test_verify_catches_corruption(openmoji, tmp_path):
     shard = sorted(bad.glob("openmoji-test-*.tar"))[0]
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
-    r = run_cli("data_tools", "verify", str(bad))
+    r = run_main("data_tools", "verify", str(bad))
     assert r.returncode == 1
     assert shard.name in r.stdout
     # stats reads what it can and names the shard it could not read (no traceback)
-    r = run_cli("data_tools", "stats", str(bad))
+    r = run_main("data_tools", "stats", str(bad))
     assert r.returncode == 0, r.stderr[-2000:]
     stats = json.loads(r.stdout)[0]
     assert [u.split(":")[0] for u in stats["unreadable_shards"]] == [shard.name] and stats["samples"] > 0

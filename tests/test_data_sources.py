@@ -13,7 +13,7 @@ from PIL import Image
 from data_tools.build import BuildError, build
 from mmpretrain.data.tar import read_tar
 
-from conftest import run_cli
+from conftest import run_main
 
 KW = dict(image_size=32, shard_size=100, workers=1)
 
@@ -53,7 +53,7 @@ def broken_tsv(root: Path, emoji_images) -> Path:
 def test_tsv_with_broken_rows(tmp_path, emoji_images):
     tsv = broken_tsv(tmp_path, emoji_images)
     out = tmp_path / "cc"
-    r = run_cli("data_tools", "build", str(tsv), "--out", str(out), "--image-size", "32", "--shard-size", "200",
+    r = run_main("data_tools", "build", str(tsv), "--out", str(out), "--image-size", "32", "--shard-size", "200",
                 "--workers", "2")
     assert r.returncode == 0, r.stderr[-2000:]
     manifest = json.loads((out / "manifest.json").read_text())
@@ -62,7 +62,7 @@ def test_tsv_with_broken_rows(tmp_path, emoji_images):
                                    "truncated_image": 10, "empty_caption": 4, "caption_not_utf8": 3,
                                    "too_many_pixels": 3}
     assert sum(json.loads((out / "sizes.json").read_text()).values()) == 950
-    v = run_cli("data_tools", "verify", str(out), "--strict")
+    v = run_main("data_tools", "verify", str(out), "--strict")
     assert v.returncode == 0, v.stdout
     # same shards whatever the number of processes
     single = tmp_path / "cc1"
@@ -83,10 +83,10 @@ def test_csv_parquet_and_columns(tmp_path, emoji_images):
         assert res["samples"] == 20 and res["skipped"] == {}
     keys = [k for _, k, _, _ in shard_content(tmp_path / "t_csv")]
     assert keys[:2] == ["img_0", "img_1"]  # dots would split WebDataset keys
-    r = run_cli("data_tools", "build", str(tmp_path / "t.csv"), "--out", str(tmp_path / "x"))
+    r = run_main("data_tools", "build", str(tmp_path / "t.csv"), "--out", str(tmp_path / "x"))
     assert r.returncode == 2 and "'image'" in r.stderr and "--image-column" in r.stderr
     (tmp_path / "t.xlsx").write_text("x")
-    r = run_cli("data_tools", "build", str(tmp_path / "t.xlsx"), "--out", str(tmp_path / "y"))
+    r = run_main("data_tools", "build", str(tmp_path / "t.xlsx"), "--out", str(tmp_path / "y"))
     assert r.returncode == 2 and "t.xlsx" in r.stderr
 
 
@@ -205,7 +205,7 @@ def test_build_and_embed_on_two_ranks(tmp_path, emoji_images):
     assert [c[1:] for c in shard_content(out)] == [c[1:] for c in shard_content(single)]  # embed left the tars
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["embedding"]["count"] == manifest["counts"]["samples"] == 950
-    assert run_cli("data_tools", "verify", str(out), "--strict").returncode == 0
+    assert run_main("data_tools", "verify", str(out), "--strict").returncode == 0
     # the sidecars 2 ranks wrote equal one process's (rows to fp16 rounding: other batches, other padding)
     import numpy as np
 

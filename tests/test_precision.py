@@ -35,7 +35,7 @@ def test_bf16_training_on_cpu(openmoji, tmp_path):
 
     from mmpretrain.config import load_config
 
-    from conftest import ROOT, run_cli
+    from conftest import ROOT, run_main
 
     common = [f"data.train={openmoji / 'train'}", "train.steps=2", "train.epochs=null", "data.batch_size=16",
               "data.num_workers=0", "optim.warmup_steps=1", "train.log_every=1", "train.progress=false",
@@ -44,7 +44,7 @@ def test_bf16_training_on_cpu(openmoji, tmp_path):
               "model.overrides={embed_dim: 64, vision_cfg: {layers: 1, width: 64, head_width: 32}, "
               "text_cfg: {layers: 1, width: 64, heads: 2}}"]
     assert load_config(ROOT / "configs/demo.yaml", [*common, "train.precision=fp32"]).train.precision == "no"
-    r = run_cli("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), *common,
+    r = run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), *common,
                 f"run_dir={tmp_path / 'bf16'}", "train.precision=bf16")
     assert r.returncode == 0, r.stderr[-3000:]
     log = [json.loads(x) for x in (tmp_path / "bf16/log.jsonl").read_text().splitlines()]

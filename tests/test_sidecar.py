@@ -19,7 +19,7 @@ from mmpretrain.data.sidecar import attach_embeddings
 from mmpretrain.data.sources import resolve_sources
 from mmpretrain.data.stream import TrainStream, make_loader
 
-from conftest import ROOT, TEXT_MODEL, run_cli
+from conftest import ROOT, TEXT_MODEL, run_main
 
 
 def _snapshot(folder: Path) -> dict[str, str]:
@@ -43,7 +43,7 @@ def test_embed_beside_shards_it_may_not_write_and_train_from_there(openmoji, tmp
     data = _unembedded(openmoji, tmp_path / "theirs")
     before = _snapshot(data)
     emb = tmp_path / "emb"
-    r = run_cli("data_tools", "embed", str(data), "--model", TEXT_MODEL, "--out", str(emb))
+    r = run_main("data_tools", "embed", str(data), "--model", TEXT_MODEL, "--out", str(emb))
     assert r.returncode == 0, r.stderr[-2000:]
     assert _snapshot(data) == before  # not one byte of the dataset folder changed, nothing added
     index = json.loads((emb / "embeddings.json").read_text())
@@ -51,15 +51,15 @@ def test_embed_beside_shards_it_may_not_write_and_train_from_there(openmoji, tmp
     assert index["model"] == TEXT_MODEL and index["dim"] == 384 and index["count"] == sum(sizes.values())
     assert {n: r_["count"] for n, r_ in index["shards"].items()} == sizes
     # a re-run embeds nothing; verify and stats read the sidecars
-    r = run_cli("data_tools", "embed", str(data), "--model", TEXT_MODEL, "--out", str(emb))
+    r = run_main("data_tools", "embed", str(data), "--model", TEXT_MODEL, "--out", str(emb))
     assert r.returncode == 0 and all(j["embedded"] == 0 for j in json.loads(r.stdout)), r.stderr[-2000:]
-    r = run_cli("data_tools", "verify", str(data), "--embeddings", str(emb), "--strict")
+    r = run_main("data_tools", "verify", str(data), "--embeddings", str(emb), "--strict")
     assert r.returncode == 0, r.stdout
-    stats = json.loads(run_cli("data_tools", "stats", str(data), "--embeddings", str(emb)).stdout)[0]
+    stats = json.loads(run_main("data_tools", "stats", str(data), "--embeddings", str(emb)).stdout)[0]
     assert stats["with_embedding"] == stats["samples"]
     # training reads them (data.embeddings), not one sample without its embedding
     run = tmp_path / "run"
-    r = run_cli("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={data}",
+    r = run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={data}",
                 f"data.embeddings={emb}", f"run_dir={run}", "train.steps=3", "train.epochs=null",
                 "data.batch_size=32", "data.num_workers=1", "optim.warmup_steps=1", "train.progress=false",
                 "train.log_with=[]")
@@ -67,7 +67,7 @@ def test_embed_beside_shards_it_may_not_write_and_train_from_there(openmoji, tmp
     final = json.loads((run / "log.jsonl").read_text().splitlines()[-1])
     assert final["step"] == 3 and "missing_embedding" not in final.get("skipped", {})
     # without data.embeddings the shards' own folder holds none: refused before training, with the fix
-    r = run_cli("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={data}",
+    r = run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={data}",
                 f"run_dir={tmp_path / 'run2'}", "train.steps=2", "train.epochs=null", "data.num_workers=0",
                 "optim.warmup_steps=1")
     assert r.returncode == 2 and "data_tools embed" in r.stderr, r.stderr[-2000:]
@@ -114,7 +114,7 @@ def test_tampered_sidecars_are_counted_not_a_crash(openmoji, tmp_path, caplog):
     for n in names[:6]:
         assert sum(n in w for w in warned) == 1, (n, warned)  # the reason, once per shard
     # verify names each one
-    r = run_cli("data_tools", "verify", str(data))
+    r = run_main("data_tools", "verify", str(data))
     assert r.returncode == 0 and "bad_embedding_file: 5" in r.stdout and "missing_embedding: 2" in r.stdout, r.stdout
 
 

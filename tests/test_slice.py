@@ -11,11 +11,11 @@ import torch
 
 import mmpretrain
 
-from conftest import ROOT, TEXT_MODEL, run_cli
+from conftest import ROOT, TEXT_MODEL, run_main
 
 
 def train(openmoji: Path, run_dir: Path, *extra: str):
-    r = run_cli("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
+    r = run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
                 f"run_dir={run_dir}", "train.steps=4", "train.epochs=null", "data.batch_size=32",
                 "data.num_workers=1", "optim.warmup_steps=1", "train.log_every=2", "train.progress=false", *extra)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -83,12 +83,12 @@ def test_slice_train_eval_export_reload(openmoji, tmp_path):
     assert [r["step"] for r in log] == [2, 4]
     assert all(k in log[-1] for k in ("clip_loss", "soft_target_loss", "lr", "logit_scale"))
     # another config into the same folder would resume it with different training: refused before any work
-    again = run_cli("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"),
+    again = run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"),
                     f"data.train={openmoji / 'train'}", f"run_dir={run_dir}")
     assert again.returncode == 2 and "different config" in again.stderr and "data.batch_size" in again.stderr
 
     results = run_dir / "results.json"
-    r = run_cli("mmpretrain.eval", "--model", str(run_dir), "--dataset", str(openmoji), str(openmoji / "test"),
+    r = run_main("mmpretrain.eval", "--model", str(run_dir), "--dataset", str(openmoji), str(openmoji / "test"),
                 "--task", "zeroshot_classification", "zeroshot_retrieval", "--output", str(results))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "x chance" in r.stdout
@@ -99,7 +99,7 @@ def test_slice_train_eval_export_reload(openmoji, tmp_path):
     assert {"acc1", "mean_per_class_recall"} <= set(cls["metrics"]) == set(cls["chance"])
     assert {"image_retrieval_recall@5", "text_retrieval_recall@5"} <= set(entries[1]["metrics"])
 
-    r = run_cli("mmpretrain.eval", "--model", str(run_dir), "--dataset", str(openmoji), str(openmoji),
+    r = run_main("mmpretrain.eval", "--model", str(run_dir), "--dataset", str(openmoji), str(openmoji),
                 str(openmoji), "--task", "linear_probe", "knn", "clustering", "--output", str(results))
     assert r.returncode == 0, r.stderr[-3000:]
     probes = {e["task"]: e for e in json.loads(results.read_text())["results"][2:]}
@@ -109,7 +109,7 @@ def test_slice_train_eval_export_reload(openmoji, tmp_path):
     assert probes["knn"]["n"] == cls["n"]  # the labelled held-out images
 
     out = tmp_path / "export"
-    r = run_cli("mmpretrain.export", str(run_dir), "--out", str(out), "--push-to-hub", "me/demo", "--dry-run")
+    r = run_main("mmpretrain.export", str(run_dir), "--out", str(out), "--push-to-hub", "me/demo", "--dry-run")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "would upload" in r.stdout
     card = (out / "README.md").read_text()
@@ -136,9 +136,9 @@ def test_slice_train_eval_export_reload(openmoji, tmp_path):
 
     # transformers: the MiniLM text tower has no CLIPModel equivalent (refused, naming it); the image
     # encoder alone exports as CLIPVisionModelWithProjection with equal embeddings
-    r = run_cli("mmpretrain.export", str(run_dir), "--out", str(tmp_path / "hf"), "--format", "transformers")
+    r = run_main("mmpretrain.export", str(run_dir), "--out", str(tmp_path / "hf"), "--format", "transformers")
     assert r.returncode == 2 and "all-MiniLM-L6-v2 is a Hugging Face model" in r.stderr
-    r = run_cli("mmpretrain.export", str(run_dir), "--out", str(tmp_path / "hf_image"), "--format", "transformers",
+    r = run_main("mmpretrain.export", str(run_dir), "--out", str(tmp_path / "hf_image"), "--format", "transformers",
                 "--towers", "image")
     assert r.returncode == 0, r.stderr[-3000:]
     from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
@@ -165,7 +165,7 @@ def test_slice_trainable_open_clip_text_tower(openmoji, tmp_path):
 
     # transformers export: CLIPModel + CLIPProcessor, equal embeddings from the folder alone
     out = tmp_path / "hf"
-    r = run_cli("mmpretrain.export", str(run_dir), "--out", str(out), "--format", "transformers")
+    r = run_main("mmpretrain.export", str(run_dir), "--out", str(out), "--format", "transformers")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "library_name: transformers" in (out / "README.md").read_text()
     from PIL import Image
@@ -207,7 +207,7 @@ def test_slice_two_cpu_ranks_under_accelerate(openmoji, tmp_path):
     out1, out2 = tmp_path / "one.json", tmp_path / "two.json"
     args = ["--model", str(run_dir), "--dataset", str(openmoji), str(openmoji), "--task", "zeroshot_classification",
             "clustering", "--batch_size", "8", "--num_workers", "1"]
-    r = run_cli("mmpretrain.eval", *args, "--output", str(out1))
+    r = run_main("mmpretrain.eval", *args, "--output", str(out1))
     assert r.returncode == 0, r.stderr[-3000:]
     r = subprocess.run(cmd[:5] + ["-m", "mmpretrain.eval", *args, "--output", str(out2)], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from mmpretrain.losses.base import Objective
 from mmpretrain.losses.clip import ClipLoss
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_main
 
 COMMON = ["train.steps=6", "train.epochs=null", "data.batch_size=16", "data.num_workers=2", "data.shuffle_buffer=32",
           "optim.warmup_steps=2", "train.log_every=1", "train.save_every=3", "train.keep_last=2",
@@ -22,7 +22,7 @@ COMMON = ["train.steps=6", "train.epochs=null", "data.batch_size=16", "data.num_
 
 
 def _train(openmoji, run_dir, *extra):
-    r = run_cli("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
+    r = run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
                 f"run_dir={run_dir}", *COMMON, *extra)
     return r
 

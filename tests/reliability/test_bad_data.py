@@ -143,7 +143,7 @@ def test_build_converts_odd_modes_and_counts_broken_tars(tmp_path):
     counted by reason, every good sample written once."""
     import webdataset as wds
 
-    from conftest import run_cli
+    from conftest import run_main
 
     folder = tmp_path / "folder"
     folder.mkdir()
@@ -151,7 +151,7 @@ def test_build_converts_odd_modes_and_counts_broken_tars(tmp_path):
                                 ("pal.png", "P", "PNG", {"transparency": 0}), ("la.png", "LA", "PNG", {})):
         Image.new(mode, (50, 40)).save(folder / name, format=fmt, **kw)
         (folder / name).with_suffix(".txt").write_text(f"an odd image {name}")
-    r = run_cli("data_tools", "build", str(folder), "--out", str(tmp_path / "odd"), "--image-size", "32")
+    r = run_main("data_tools", "build", str(folder), "--out", str(tmp_path / "odd"), "--image-size", "32")
     assert r.returncode == 0, r.stderr[-2000:]
     manifest = json.loads((tmp_path / "odd" / "manifest.json").read_text())
     assert manifest["counts"]["samples"] == 4 and not manifest.get("skipped"), manifest
@@ -177,7 +177,7 @@ def test_build_converts_odd_modes_and_counts_broken_tars(tmp_path):
             w.write({"__key__": f"c{i}", "png": png, "txt": f"green c{i}".encode()})
     cut = (src / "00002.tar").read_bytes()
     (src / "00002.tar").write_bytes(cut[: len(cut) // 2 + 100])  # inside a member
-    r = run_cli("data_tools", "build", str(src), "--out", str(tmp_path / "out"), "--source-type", "img2dataset",
+    r = run_main("data_tools", "build", str(src), "--out", str(tmp_path / "out"), "--source-type", "img2dataset",
                 "--image-size", "32")
     assert r.returncode == 0, r.stderr[-2000:]
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
@@ -250,7 +250,7 @@ def test_a_dataset_wide_embedding_dimension_mismatch_is_refused_before_training(
     embeddings have another: exit 2 before any step."""
     import shutil
 
-    from conftest import ROOT, in_tar_copy, run_cli
+    from conftest import ROOT, in_tar_copy, run_main
 
     data = tmp_path / "train"
     if layout == "sidecar":
@@ -262,7 +262,7 @@ def test_a_dataset_wide_embedding_dimension_mismatch_is_refused_before_training(
     meta = json.loads(record.read_text())
     (meta if layout == "sidecar" else meta["embedding"])["dim"] = 128
     record.write_text(json.dumps(meta))
-    r = run_cli("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={data}",
+    r = run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={data}",
                 f"run_dir={tmp_path / 'run'}", "train.steps=2", "train.epochs=null", "data.num_workers=0",
                 "optim.warmup_steps=1")
     assert r.returncode == 2, r.stderr[-2000:]
@@ -283,9 +283,9 @@ def test_an_image_over_the_pixel_cap_is_skipped_before_decoding():
 
 
 def _train_cli(data, run_dir, *extra):
-    from conftest import ROOT, run_cli
+    from conftest import ROOT, run_main
 
-    return run_cli("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={data}",
+    return run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={data}",
                    f"run_dir={run_dir}", "train.steps=3", "train.epochs=null", "data.batch_size=16",
                    "optim.warmup_steps=1", "train.log_every=1", "train.progress=false", "train.log_with=[]", *extra)
 

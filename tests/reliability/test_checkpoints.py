@@ -11,14 +11,14 @@ import pytest
 
 from mmpretrain.checkpoint import verify_checkpoint
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_main
 
 ARGS = ["train.epochs=null", "data.batch_size=16", "data.num_workers=0", "optim.warmup_steps=1", "train.log_every=1",
         "train.save_every=2", "train.keep_last=5", "train.progress=false", "train.log_with=[]"]
 
 
 def _train(openmoji, run_dir, steps):
-    return run_cli("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
+    return run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
                    f"run_dir={run_dir}", f"train.steps={steps}", *ARGS)
 
 
@@ -82,7 +82,7 @@ def test_no_intact_checkpoint_is_refused_with_the_fix(openmoji, run4, tmp_path):
         (c / "train_state.json").unlink()
     r = _train(openmoji, run, 6)
     assert r.returncode == 2 and "without train_state.json" in r.stderr, r.stderr[-2000:]
-    r = run_cli(
+    r = run_main(
         "mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
         f"run_dir={tmp_path / 'other'}", "train.steps=6", f"resume={run4 / 'checkpoints/step_00000004'}", *ARGS)
     assert r.returncode == 0, r.stderr[-2000:]  # an intact checkpoint named with resume= still works

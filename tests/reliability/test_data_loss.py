@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_main
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +16,7 @@ def trained(openmoji, tmp_path_factory):
     """A tiny trained run inside a folder that also holds a sibling run."""
     runs = tmp_path_factory.mktemp("runs")
     run = runs / "mine"
-    r = run_cli("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
+    r = run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
                 f"run_dir={run}", "train.steps=2", "train.epochs=null", "data.batch_size=16", "data.num_workers=0",
                 "optim.warmup_steps=1", "train.progress=false", "train.log_with=[]")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -30,18 +30,7 @@ def _snapshot(folder):
 
 
 def _export(run, out, *extra):
-    """``python -m mmpretrain.export RUN --out OUT ...``, in this process (the same main, without ~8 s of
-    imports per call): its exit code and stderr."""
-    import contextlib
-    import io
-    import subprocess
-
-    from mmpretrain.export import main
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = main([str(run), "--out", str(out), *extra])
-    return subprocess.CompletedProcess([], code, "", err.getvalue())
+    return run_main("mmpretrain.export", str(run), "--out", str(out), *extra)
 
 
 def test_export_refuses_the_run_folder_and_above(trained):
@@ -103,7 +92,7 @@ def test_export_inside_the_run_folder_is_fine(trained):
 
 
 def _build(*args):
-    return run_cli("data_tools", "build", *map(str, args))
+    return run_main("data_tools", "build", *map(str, args))
 
 
 def test_build_never_reads_and_writes_the_same_place(openmoji, tmp_path):
@@ -153,12 +142,12 @@ def test_embed_after_a_rebuild_embeds_the_new_shards(tmp_path):
     out = tmp_path / "demo"
     args = ["demo:openmoji", "--out", out, "--image-size", "16", "--limit", "500", "--shard-size", "100"]
     assert _build(*args).returncode == 0
-    assert run_cli("data_tools", "embed", str(out), "--model", TEXT_MODEL).returncode == 0
+    assert run_main("data_tools", "embed", str(out), "--model", TEXT_MODEL).returncode == 0
     assert _build(*args, "--overwrite").returncode == 0
-    r = run_cli("data_tools", "embed", str(out), "--model", TEXT_MODEL)
+    r = run_main("data_tools", "embed", str(out), "--model", TEXT_MODEL)
     assert r.returncode == 0, r.stderr[-2000:]
     assert all(e["embedded"] > 0 for e in json.loads(r.stdout))  # every split re-embedded
-    r = run_cli("data_tools", "verify", str(out))
+    r = run_main("data_tools", "verify", str(out))
     assert r.returncode == 0 and "missing_embedding" not in r.stdout, r.stdout[-2000:]
 
 
@@ -169,6 +158,6 @@ def test_embed_overwrite_with_a_model_it_cannot_load_keeps_the_earlier_records(o
     shutil.copytree(openmoji, data)
     before = _snapshot(data)
     for model in ("nobody/no-such-encoder", str(tmp_path / "no-such-folder")):
-        r = run_cli("data_tools", "embed", str(data), "--model", model, "--overwrite")
+        r = run_main("data_tools", "embed", str(data), "--model", model, "--overwrite")
         assert r.returncode == 2 and "--model" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert _snapshot(data) == before

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_main
 
 
 def _wds_copy(openmoji, dst):
@@ -22,7 +22,7 @@ def test_class_names_shorter_than_the_labels_are_refused(openmoji, tmp_path):
     data = _wds_copy(openmoji, tmp_path / "wds")
     names = (data / "classnames.txt").read_text().splitlines()
     (data / "classnames.txt").write_text("\n".join(names[:3]) + "\n")
-    r = run_cli("mmpretrain.eval", "--model", "mmpt-tiny-vit", "--dataset", str(data),
+    r = run_main("mmpretrain.eval", "--model", "mmpt-tiny-vit", "--dataset", str(data),
                 "--task", "zeroshot_classification", "--num_workers", "0", "--output", str(tmp_path / "r.json"))
     assert r.returncode == 1, r.stderr[-2000:]
     assert "but there are 3 class names" in r.stderr and "Traceback" not in r.stderr

@@ -7,7 +7,7 @@ import ast
 import io
 import tarfile
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_main
 
 SOURCES = sorted([*(ROOT / "mmpretrain").rglob("*.py"), *(ROOT / "data_tools").rglob("*.py")])
 
@@ -80,7 +80,7 @@ def test_tar_member_paths_never_become_paths(tmp_path):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             t.addfile(info, io.BytesIO(data))
-    r = run_cli("data_tools", "build", str(src), "--out", str(tmp_path / "out"), "--source-type", "img2dataset",
+    r = run_main("data_tools", "build", str(src), "--out", str(tmp_path / "out"), "--source-type", "img2dataset",
                 "--image-size", "32")
     assert r.returncode == 0, r.stderr[-2000:]
     names = [m.name for shard in (tmp_path / "out").glob("*.tar") for m in tarfile.open(shard).getmembers()]
