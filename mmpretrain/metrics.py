@@ -89,8 +89,9 @@ def plot_run(records: list[dict[str, Any]], histograms: dict[str, list[float]] |
         pts = [(r["step"], r[key]) for r in records if key in r and r[key] is not None]
         return [p[0] for p in pts], [p[1] for p in pts]
 
-    def save(fig, name):
-        fig.tight_layout()
+    def save(fig, name, **margins):
+        # fixed margins: tight_layout draws every figure once more to measure it (~0.4 s of the ~1.5 s)
+        fig.subplots_adjust(**{"left": 0.12, "right": 0.97, "bottom": 0.13, "top": 0.92, **margins})
         fig.savefig(out / name, dpi=100)
         plt.close(fig)
         paths.append(out / name)
@@ -112,7 +113,7 @@ def plot_run(records: list[dict[str, Any]], histograms: dict[str, list[float]] |
     a2.set_ylabel("exp(logit scale)")
     for a in (a1, a2):
         a.set_xlabel("step")
-    save(fig, "lr_scale.png")
+    save(fig, "lr_scale.png", left=0.13, wspace=0.45, bottom=0.15, top=0.9)
 
     geo = sorted({k for r in records for k in r if k.startswith("geometry/")})
     if geo:
@@ -127,7 +128,8 @@ def plot_run(records: list[dict[str, Any]], histograms: dict[str, list[float]] |
             a.set_ylabel(GEOMETRY_UNITS.get(name, name), fontsize=8)
         for a in list(axes.flat)[len(geo):]:
             a.axis("off")
-        save(fig, "geometry.png")
+        save(fig, "geometry.png", left=0.1, right=0.98, bottom=0.3 / rows, top=1 - 0.25 / rows, wspace=0.6,
+             hspace=0.7)
 
     if histograms:
         edges = torch.linspace(-1, 1, len(histograms["positive"]) + 1)

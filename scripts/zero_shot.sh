@@ -22,6 +22,8 @@ launch=("$python" -m)
 if [ "${NPROC:-1}" -gt 1 ]; then
     launch=("$python" -m accelerate.commands.launch --num_processes "$NPROC" ${ACCELERATE_CONFIG:+--config_file "$ACCELERATE_CONFIG"} -m)
 fi
+# one evaluation call for every dataset: the model is loaded (and, with NPROC, the processes started) once
+tasks=()
 for ds in "$@"; do
     root=${ds#*:}
     task=zeroshot_classification
@@ -31,7 +33,8 @@ for ds in "$@"; do
         task=zeroshot_retrieval
     fi
     echo "== $ds: $task" >&2
-    "${launch[@]}" mmpretrain.eval --model "$model" ${PRETRAINED:+--pretrained "$PRETRAINED"} \
-        --dataset "$ds" --task "$task" --output "$out" ${EVAL_ARGS:-}
+    tasks+=("$task")
 done
+"${launch[@]}" mmpretrain.eval --model "$model" ${PRETRAINED:+--pretrained "$PRETRAINED"} \
+    --dataset "$@" --task "${tasks[@]}" --output "$out" ${EVAL_ARGS:-}
 echo "results: $out" >&2

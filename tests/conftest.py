@@ -118,6 +118,72 @@ def run_main(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess([args[0], *argv], code, got[0], got[1])
 
 
+# --------------------------------------------------------------------------- training in a test
+
+CONFIG = ROOT / "configs/demo.yaml"
+SHORT = ["train.epochs=null", "optim.warmup_steps=1", "train.progress=false", "train.log_with=[]"]
+
+
+def train(data: Path, run_dir: Path, *overrides: str, config: Path = CONFIG) -> subprocess.CompletedProcess:
+    """``python -m mmpretrain.train --config CONFIG data.train=DATA run_dir=RUN_DIR`` with a short run's
+    settings (:data:`SHORT`: steps, not epochs; one warm-up step; no progress bar or trackers) and
+    ``overrides`` after them, through :func:`run_main`. ``data``: the training data (a folder or spec)."""
+    return run_main("mmpretrain.train", "--config", str(config), f"data.train={data}", f"run_dir={run_dir}", *SHORT,
+                    *overrides)
+
+
+def setup_run(data: Path, run_dir: Path, *overrides: str, config: Path = CONFIG):
+    """The trainer's ``setup`` for the same command (a ``Run`` to inspect, patch, then ``fit``), in this
+    process with accelerate's state reset first."""
+    from mmpretrain.config import load_config
+    from mmpretrain.train import setup
+
+    reset_process_state()
+    return setup(load_config(config, [f"data.train={data}", f"run_dir={run_dir}", *SHORT, *overrides]))
+
+
+def launch(run_dir: Path, data: Path, *overrides: str, accelerate: str = "cpu-2proc", launch_args: tuple = (),
+           wrapper: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``accelerate launch --config_file configs/accelerate/ACCELERATE --num_processes 2 [-m mmpretrain.train
+    | WRAPPER mmpretrain.train] --config demo.yaml data.train=DATA run_dir=RUN_DIR ...`` as a user
+    launches it: 2 processes (gloo on a CPU)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / f"configs/accelerate/{accelerate}.yaml"), "--num_processes", "2", *launch_args,
+           *([wrapper] if wrapper else ["-m"]), "mmpretrain.train", "--config", str(CONFIG), f"data.train={data}",
+           f"run_dir={run_dir}", "train.progress=false", "train.log_with=[]", *overrides]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+
+
+# 6 steps on 2 ranks, checkpoints at 3 and 6: the data-parallel reference of the engine tests, and the run
+# the 2-rank evaluation reads
+DDP_RUN = ["train.steps=6", "train.epochs=null", "data.batch_size=16", "data.num_workers=1", "data.shuffle_buffer=32",
+           "optim.warmup_steps=1", "train.log_every=1", "train.save_every=3"]
+
+
+@pytest.fixture(scope="session")
+def ddp_run(openmoji, tmp_path_factory) -> Path:
+    """The demo config trained 6 steps by 2 CPU ranks under ``accelerate launch`` (DDP); tests read it."""
+    run_dir = tmp_path_factory.mktemp("ddp") / "run"
+    r = launch(run_dir, openmoji / "train", *DDP_RUN)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def ddp_checks(openmoji, tmp_path_factory) -> dict:
+    """tests/scripts/ddp_checks.py's report: every check under one ``accelerate launch`` of 2 CPU processes
+    (each launch costs ~15 s of process start-up and imports on 2 cores)."""
+    import json
+
+    out = tmp_path_factory.mktemp("ddp_checks")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs/accelerate/cpu-2proc.yaml"), str(ROOT / "tests/scripts/ddp_checks.py"),
+           str(openmoji / "train"), str(out / "runs"), str(out / "report.json"), "unused,masks,steps"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads((out / "report.json").read_text())
+
+
 @pytest.fixture(scope="session")
 def emoji_images(tmp_path_factory) -> list[tuple[Path, str]]:
     """20 real emoji renders as JPEG/PNG files with their Unicode-name captions."""

@@ -10,35 +10,27 @@ evaluate with full weights and export what it trained.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run_main
+import conftest
+from conftest import DDP_RUN, run_main, train
 
 ROOT = Path(__file__).resolve().parent.parent
 WRAPPER = str(ROOT / "tests/scripts/gpu_engine_on_cpu.py")
 DEEPSPEED = ROOT / ".cache/deepspeed"  # `make deepspeed` (make test-slow) installs it there
-STEPS = 6
-COMMON = [f"train.steps={STEPS}", "train.epochs=null", "data.batch_size=16", "data.num_workers=1",
-          "data.shuffle_buffer=32", "optim.warmup_steps=1", "train.log_every=1", "train.save_every=3",
-          "train.progress=false", "train.log_with=[]"]
+STEPS = 6  # the ddp_run fixture's steps (conftest.DDP_RUN): every engine runs the same 6 steps
 
 
 def launch(openmoji: Path, run_dir: Path, config: str, launch_args: list[str], *overrides: str,
            env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """2 ranks: ``config`` cpu-2proc (DDP, no wrapper) or an engine config through the wrapper."""
-    engine = [] if config == "cpu-2proc" else [WRAPPER]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / f"configs/accelerate/{config}.yaml"), "--num_processes", "2", *launch_args, *engine,
-           *([] if engine else ["-m"]), "mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"),
-           f"data.train={openmoji / 'train'}", f"run_dir={run_dir}", *COMMON, *overrides]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    r = conftest.launch(run_dir, openmoji / "train", *DDP_RUN, *overrides, accelerate=config,
+                        launch_args=tuple(launch_args), wrapper=None if config == "cpu-2proc" else WRAPPER, env=env)
     assert r.returncode == 0 or not check, r.stderr[-4000:]
     return r
 
@@ -56,10 +48,8 @@ FSDP = ["--mixed_precision", "no", "--fsdp_sync_module_states", "false"]
 
 
 @pytest.fixture(scope="module")
-def ddp(openmoji, tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("engines") / "ddp"
-    launch(openmoji, run_dir, "cpu-2proc", [])
-    return run_dir
+def ddp(ddp_run) -> Path:
+    return ddp_run
 
 
 def check_engine_run(ddp: Path, run_dir: Path, resumed: Path, rel: float = 1e-5) -> None:
@@ -195,8 +185,7 @@ def test_an_engine_on_a_machine_without_gpus_is_refused(openmoji, tmp_path, monk
     """Without the wrapper accelerate would run plain data parallelism under a DeepSpeed config on a
     CPU (and stop inside FSDP's plugin under an FSDP one): refused up front, naming the fix."""
     monkeypatch.setenv(var, "true")
-    r = run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
-                f"run_dir={tmp_path / 'run'}", *COMMON)
+    r = train(openmoji / "train", tmp_path / "run", *DDP_RUN)
     assert r.returncode == 2, r.stderr[-2000:]
     assert f"asks for {name}, which needs GPUs" in r.stderr and "cpu-2proc.yaml" in r.stderr
     assert not (tmp_path / "run").exists()

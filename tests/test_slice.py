@@ -187,30 +187,22 @@ def test_slice_trainable_open_clip_text_tower(openmoji, tmp_path):
         torch.testing.assert_close(hf.logit_scale, model.logit_scale)
 
 
-def test_slice_two_cpu_ranks_under_accelerate(openmoji, tmp_path):
+def test_slice_two_cpu_ranks_under_accelerate(openmoji, ddp_run, tmp_path):
+    """A run trained by 2 processes under accelerate launch (the ``ddp_run`` fixture), then evaluated
+    under the same launcher: split across the 2 processes, written once, equal to one process."""
     import subprocess
     import sys
 
-    run_dir = tmp_path / "run2"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "configs/accelerate/cpu-2proc.yaml"), "-m", "mmpretrain.train",
-           "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}", f"run_dir={run_dir}",
-           "train.steps=3", "train.epochs=null", "data.batch_size=16", "data.num_workers=1",
-           "optim.warmup_steps=1", "train.log_every=1", "train.progress=false"]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    cfg = (run_dir / "config.yaml").read_text()
+    cfg = (ddp_run / "config.yaml").read_text()
     assert "world_size: 2" in cfg and "global_batch_size: 32" in cfg
-
-    # evaluation of that run under the same launcher: split across the 2 processes, written once,
-    # equal to one process
     out1, out2 = tmp_path / "one.json", tmp_path / "two.json"
-    args = ["--model", str(run_dir), "--dataset", str(openmoji), str(openmoji), "--task", "zeroshot_classification",
+    args = ["--model", str(ddp_run), "--dataset", str(openmoji), str(openmoji), "--task", "zeroshot_classification",
             "clustering", "--batch_size", "8", "--num_workers", "1"]
     r = run_main("mmpretrain.eval", *args, "--output", str(out1))
     assert r.returncode == 0, r.stderr[-3000:]
-    r = subprocess.run(cmd[:5] + ["-m", "mmpretrain.eval", *args, "--output", str(out2)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                        str(ROOT / "configs/accelerate/cpu-2proc.yaml"), "-m", "mmpretrain.eval", *args, "--output",
+                        str(out2)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("zeroshot_classification") >= 1 and r.stdout.count("x chance") == 1  # one table
     one, two = (json.loads(p.read_text())["results"] for p in (out1, out2))

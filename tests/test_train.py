@@ -117,20 +117,22 @@ STEP_SCRIPT = str(ROOT / "tests/scripts/step_equivalence.py")
 
 
 @pytest.fixture(scope="module")
-def one_process_steps(tmp_path_factory):
-    """``which -> results`` of the step script in one process (run once per ``which``)."""
-    import subprocess
-    import sys
+def one_process_steps():
+    """``which -> results`` of the step script in one process (this one; run once per ``which``)."""
+    import importlib.util
 
+    from conftest import reset_process_state
+
+    spec = importlib.util.spec_from_file_location("step_equivalence", STEP_SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
     done = {}
 
     def steps(which: str) -> dict:
         if which not in done:
-            out = tmp_path_factory.mktemp("steps") / f"one-{which}.json"
-            r = subprocess.run([sys.executable, STEP_SCRIPT, str(out), which], cwd=ROOT, capture_output=True,
-                               text=True, timeout=600)
-            assert r.returncode == 0, r.stderr[-3000:]
-            done[which] = json.loads(out.read_text())
+            reset_process_state()
+            done[which] = json.loads(json.dumps(script.main(None, which)))
+            reset_process_state()
             for name, res in done[which].items():  # gradient caching is the whole batch's step
                 if name.startswith("grad_cache"):
                     whole = done[which][name.replace("grad_cache", "whole")]
@@ -140,24 +142,36 @@ def one_process_steps(tmp_path_factory):
     return steps
 
 
+@pytest.fixture
+def launched_steps(request, tmp_path):
+    """``(world, which) -> results`` of the step script on ``world`` gloo ranks under accelerate launch:
+    2 ranks from the session's one ``ddp_checks`` launch, 4 from a launch of its own (make test-slow)."""
+    import subprocess
+    import sys
+
+    def steps(world: int, which: str) -> dict:
+        if (world, which) == (2, "default"):
+            return request.getfixturevalue("ddp_checks")["steps"]
+        out = tmp_path / f"{world}.json"
+        r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                            str(ROOT / "configs/accelerate/cpu-2proc.yaml"), "--num_processes", str(world),
+                            STEP_SCRIPT, str(out), which], cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(out.read_text())
+
+    return steps
+
+
 # 4 ranks is in make test-slow (~75 s, over the ~60 s a make-test test may take): 2 ranks here; every
 # objective is also tested on 2 gloo ranks in value and gradient (test_losses.py)
 @pytest.mark.parametrize("world,which", [(2, "default"), pytest.param(4, "default", marks=pytest.mark.slow),
                                          pytest.param(4, "all", marks=pytest.mark.slow)])
-def test_processes_equal_one_with_the_same_global_batch(one_process_steps, tmp_path, world, which):
+def test_processes_equal_one_with_the_same_global_batch(one_process_steps, launched_steps, world, which):
     """5 float64 steps through train_step with the global batch split over ``world`` gloo ranks under
     accelerate launch: the losses and weights of one process, with and without gradient caching; on 4
     ranks (``make test-slow``) also 3 steps of every objective alone (clip's gather modes and tiling, sigmoid with and without
     within-view negatives, soft targets in image space, cwcl, vrn, align_uniform, global_clip)."""
-    import subprocess
-    import sys
-
-    out = tmp_path / f"{world}.json"
-    r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                        str(ROOT / "configs/accelerate/cpu-2proc.yaml"), "--num_processes", str(world), STEP_SCRIPT,
-                        str(out), which], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    a, b = one_process_steps(which), json.loads(out.read_text())
+    a, b = one_process_steps(which), launched_steps(world, which)
     assert len(b) == (22 if which == "all" else 2)
     for name in b:
         assert len(a[name]["losses"]) == (5 if "/" not in name else 3)

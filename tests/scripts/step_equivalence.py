@@ -1,6 +1,7 @@
 """Run training steps (mmpretrain.train.train_step) in float64 on fixed in-memory data whose global
 batch is split across the launched processes; write the mean losses and a weight checksum to argv[1].
-Run by tests/test_train.py under ``accelerate launch`` with 2 and 4 CPU processes and as 1 process.
+tests/test_train.py runs it in its own process (1 rank), under ``accelerate launch`` with 4 CPU processes
+(make test-slow), and through tests/scripts/ddp_checks.py's launch with 2.
 
 argv[2] ``all``: besides clip + soft_target (5 steps), every objective alone (3 steps each; global_clip's
 per-sample estimates carried from step to step), with and without gradient caching: the model's parameters, logit scale and bias included, must follow the
@@ -28,7 +29,7 @@ OBJECTIVES = {
 }
 
 
-def main(out_path: str, which: str = "default") -> None:
+def main(out_path: str | None, which: str = "default") -> dict:
     from accelerate import Accelerator
 
     from mmpretrain.config import load_config
@@ -89,9 +90,10 @@ def main(out_path: str, which: str = "default") -> None:
                          "weights": float(sum(p.detach().double().abs().sum() for p in w.parameters()))}
         del run, model, opt, w
         acc.free_memory()  # the accelerator keeps every prepared model and optimizer otherwise (~1 GB per run on 4 ranks)
-    if acc.is_main_process:
+    if acc.is_main_process and out_path:
         with open(out_path, "w") as f:
             json.dump(results, f)
+    return results
 
 
 if __name__ == "__main__":
