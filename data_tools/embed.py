@@ -20,9 +20,10 @@ from pathlib import Path
 import numpy as np
 
 from mmpretrain.data.manifest import MANIFEST, SIZES, read_manifest, write_json_atomic
-from mmpretrain.data.sidecar import INDEX, read_index, shard_bytes, write_shard
-from mmpretrain.data.sources import Source, resolve_source, shard_path
+from mmpretrain.data.sidecar import INDEX, LAYOUT, SUFFIXES, read_index, shard_bytes, write_shard
+from mmpretrain.data.sources import Source, resolve_source
 from mmpretrain.data.tar import UNREADABLE, read_tar
+from mmpretrain.data.urls import shard_path
 from mmpretrain.hub_cache import require_model
 from mmpretrain.launch import current_process
 
@@ -114,7 +115,7 @@ def _shard_done(emb_dir: Path, url: str, model: str) -> dict | None:
     except (OSError, ValueError):
         return None
     fresh = done.get("model") == model and {k: done.get(k) for k in ("bytes", "mtime_ns")} == _fingerprint(url)
-    files = all((emb_dir / (name + s)).is_file() for s in (".emb.npy", ".keys.txt"))
+    files = all((emb_dir / (name + s)).is_file() for s in SUFFIXES)
     return done if fresh and files else None
 
 
@@ -239,7 +240,7 @@ def embed(path: str | Path, model: str, *, out: str | Path | None = None, overwr
             if dataset is not None and dataset == emb_dir:  # our own dataset folder: its manifest says so too
                 manifest = read_manifest(dataset)
                 manifest["embedding"] = {k: index[k] for k in ("model", "dim", "normalized", "dtype", "count")}
-                manifest["embedding"]["layout"] = "sidecar"
+                manifest["embedding"]["layout"] = LAYOUT
                 write_json_atomic(dataset / MANIFEST, manifest)
             res["dim"] = dim
     proc.barrier()

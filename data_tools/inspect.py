@@ -13,7 +13,7 @@ from PIL import Image
 from data_tools.embed import dataset_folders, embedding_folders
 from mmpretrain.data.decode import IMAGE_EXTS
 from mmpretrain.data.manifest import read_manifest, read_sizes
-from mmpretrain.data.sidecar import INDEX, SourceEmbeddings, read_index
+from mmpretrain.data.sidecar import EMB_SUFFIX, IN_TAR, INDEX, LAYOUT, SourceEmbeddings, read_index, read_row
 from mmpretrain.data.tar import UNREADABLE, read_tar
 
 # problems that make the folder unusable as listed (exit 1 even without --strict)
@@ -35,6 +35,13 @@ def verify_folder(folder: Path, emb_dir: str | Path | None = None) -> dict[str, 
     sizes = read_sizes(folder)
     side = sidecars(folder, emb_dir)
     emb = {} if side else read_manifest(folder).get("embedding") or {}  # in-tar embeddings to check
+    if emb.get("layout") == LAYOUT:  # recorded beside the shards, but not there: said once, not per sample
+        problems["missing_embedding_files"].append(
+            f"{folder}: the manifest records embeddings beside the shards, but there is no {INDEX} and no "
+            f"{next(iter(sorted(sizes)), 'NAME.tar')}{EMB_SUFFIX} (shards copied without them?): embed them "
+            f"(`python -m data_tools embed {folder} --model {emb.get('model', 'MODEL')}`), or check the folder "
+            "they were written to with --embeddings EMB_DIR (data.embeddings=EMB_DIR in training)")
+        emb = {}
     seen: dict[str, str] = {}
     for name, expected in sorted(sizes.items()):
         path = folder / name
@@ -93,10 +100,14 @@ def _check_sample(s: dict, path: Path, emb: dict, seen: dict[str, str], problems
         except ValueError:
             problems["bad_json"].append(f"{key}: json member does not parse")
     if emb:
-        if "emb.npy" not in s:
-            problems["missing_embedding"].append(f"{key}: no emb.npy but the manifest records embeddings")
+        if IN_TAR not in s:
+            problems["missing_embedding"].append(f"{key}: no {IN_TAR} but the manifest records in-tar embeddings")
         else:
-            v = np.load(io.BytesIO(s["emb.npy"]))
+            try:
+                v = read_row(s[IN_TAR])
+            except (ValueError, EOFError, OSError) as e:
+                problems["bad_embedding"].append(f"{key}: {e.__class__.__name__}: {e}")
+                return
             if v.dtype != np.float16 or v.shape != (emb["dim"],):
                 problems["bad_embedding"].append(f"{key}: {v.dtype}{v.shape}, expected float16({emb['dim']},)")
             elif abs(float(np.linalg.norm(v.astype(np.float32))) - 1) > 1e-2:
@@ -129,7 +140,7 @@ def stats_folder(folder: Path, plot: bool = True, emb_dir: str | Path | None = N
                     heights.append(meta.get("height", 0))
                     if "label_name" in meta:
                         labels[meta["label_name"]] += 1
-                with_emb += "emb.npy" in s
+                with_emb += IN_TAR in s
         except UNREADABLE as e:  # counted up to the damage; `verify` tells the whole story
             unreadable.append(f"{name}: {e.__class__.__name__}: {e}")
 

@@ -2,14 +2,14 @@
 
 Every section is a pydantic model that rejects unknown keys, so a typo fails before any work with a
 message naming the key. Cross-field checks live here too, each with a message that says the fix.
-Durations that need the dataset size or the world size (epochs -> steps) are resolved once, in
-:func:`resolve_schedule`, and the resolved values are written with the config into the run folder.
+Durations that need the dataset size or the world size (epochs -> steps) are the trainer's to resolve,
+once (:func:`mmpretrain.train.schedule.resolve_schedule`); it writes the resolved values with the config
+into the run folder.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import types
 import typing
 from pathlib import Path
@@ -28,7 +28,6 @@ from pydantic import (
 
 from mmpretrain.eval import TASKS
 from mmpretrain.losses import LOSSES
-from mmpretrain.schedule import Schedule
 
 
 class ConfigError(ValueError):
@@ -56,7 +55,7 @@ class _Strict(BaseModel):
 
 
 class RemoteConfig(_Strict):
-    """Remote shards (fsspec urls): see mmpretrain/data/remote.py."""
+    """Remote shards (fsspec urls): see mmpretrain/data/urls.py."""
 
     retries: int = Field(5, ge=0, description="retries of a remote shard that fails to open or breaks mid-read, "
                          "from the first sample not yet delivered (the count restarts once a sample came through)")
@@ -412,23 +411,6 @@ def to_yaml(cfg: ExperimentConfig, extra: dict[str, Any] | None = None) -> str:
     if extra:
         data["resolved"] = extra
     return yaml.safe_dump(data, sort_keys=False)
-
-
-def resolve_schedule(cfg: ExperimentConfig, steps_per_epoch: int, num_samples: int, world_size: int) -> Schedule:
-    """Convert durations to steps once, from the stream's steps per epoch (see mmpretrain/data/stream.py)."""
-    if cfg.train.steps is not None:
-        total = cfg.train.steps
-    else:
-        total = max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
-    warmup = cfg.optim.warmup_steps if cfg.optim.warmup_steps is not None else total // 10
-    if warmup >= total:
-        raise ConfigError(f"optim.warmup_steps={warmup} must be below the {total} total steps")
-    diag = cfg.train.diagnostics_every
-    if diag == "auto":  # about 50 points over the run, on logging steps
-        every = cfg.train.log_every
-        diag = every * max(1, round(total / (50 * every)))
-    return Schedule(total_steps=total, warmup_steps=warmup, steps_per_epoch=steps_per_epoch, num_samples=num_samples,
-                    global_batch_size=cfg.data.batch_size * world_size, world_size=world_size, diagnostics_every=diag)
 
 
 def config_defaults() -> dict[str, Any]:

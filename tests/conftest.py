@@ -86,11 +86,11 @@ def reset_process_state() -> None:
     trainer sets from data.remote."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from mmpretrain.data import remote
+    from mmpretrain.data import urls
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    remote.configure(remote.RemoteOptions())
+    urls.configure(urls.RemoteOptions())
 
 
 def run_main(*args: str) -> subprocess.CompletedProcess:

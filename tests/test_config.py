@@ -3,8 +3,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mmpretrain.config import load_config, resolve_schedule
+from mmpretrain.config import load_config
 from mmpretrain.train import main as train_main
+from mmpretrain.train.schedule import resolve_schedule
 
 ROOT = Path(__file__).resolve().parent.parent
 

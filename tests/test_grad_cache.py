@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmpretrain.grad_cache import forward_backward
 from mmpretrain.losses import build_objective
 from mmpretrain.models.factory import build_dual_encoder, resolve_model_cfg
+from mmpretrain.train.grad_cache import forward_backward
 
 
 @pytest.fixture(scope="module")

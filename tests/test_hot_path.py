@@ -95,7 +95,7 @@ def test_at_most_one_host_sync_per_step(openmoji, tmp_path, name, monkeypatch):
 def test_geometry_diagnostics_are_bounded():
     """A 64k global batch must not build 64k^2 float64 matrices: the measures use the first 4,096
     rows, in float32."""
-    from mmpretrain.metrics import GEOMETRY_ROWS, geometry
+    from mmpretrain.train.diagnostics import GEOMETRY_ROWS, geometry
 
     assert GEOMETRY_ROWS == 4096
     g = torch.Generator().manual_seed(0)

@@ -14,7 +14,7 @@ import pytest
 from remote_servers import FAKE_AWS, FaultProxy, RangeHTTPServer, moto_s3
 
 from mmpretrain.config import ConfigError, load_config
-from mmpretrain.data import remote
+from mmpretrain.data import urls
 from mmpretrain.data.tar import read_tar
 
 from conftest import ROOT, extract_images
@@ -29,15 +29,15 @@ RETRIES = {"none": 0, "drop": 3, "503": 1, "stall": 2}
 @pytest.fixture
 def fast_retries():
     """Short backoff and a 1 s timeout (the stall fault lasts 2 s); the defaults restored after."""
-    before = remote.options()
-    remote.take_retries()
+    before = urls.options()
+    urls.take_retries()
 
     def set_(**storage_options):
-        remote.configure(remote.RemoteOptions(retries=5, backoff=0.05, timeout=1.0, storage_options=storage_options))
+        urls.configure(urls.RemoteOptions(retries=5, backoff=0.05, timeout=1.0, storage_options=storage_options))
 
     set_()
     yield set_
-    remote.configure(before)
+    urls.configure(before)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def survives(openmoji, port: int, fault: str, url_of, server: str) -> None:
     proxy = FaultProxy(port, kind, **kw)
     try:
         check_delivery(local_samples(openmoji), lambda n: url_of(proxy, n))
-        retries = remote.take_retries()
+        retries = urls.take_retries()
         print(f"{server} {fault}: retries {retries}, faults {proxy.faults}")
         assert proxy.faults == kw.get("times", 0) and retries == RETRIES[fault]
     finally:
@@ -132,15 +132,15 @@ def test_a_shard_that_keeps_failing_is_unreadable_naming_url_and_cause(openmoji,
     name = sorted(json.loads((openmoji / "train/sizes.json").read_text()))[0]
     proxy = FaultProxy(http_server.port, "503", times=10**6)
     try:
-        with caplog.at_level(logging.WARNING, logger="mmpretrain.data.remote"), pytest.raises(OSError) as err:
+        with caplog.at_level(logging.WARNING, logger="mmpretrain.data.urls"), pytest.raises(OSError) as err:
             list(read_tar(f"{proxy.url}/train/{name}"))
         msg = str(err.value)
         assert f"{proxy.url}/train/{name}" in msg and "after 5 retries" in msg and "503" in msg
-        assert remote.take_retries() == 5 and len([r for r in caplog.records if "retry" in r.message]) == 5
+        assert urls.take_retries() == 5 and len([r for r in caplog.records if "retry" in r.message]) == 5
         # a missing object is not retried: it will not appear
         with pytest.raises(FileNotFoundError):
             list(read_tar(f"http://127.0.0.1:{http_server.port}/train/no-such-shard.tar"))
-        assert remote.take_retries() == 0
+        assert urls.take_retries() == 0
     finally:
         proxy.close()
 
@@ -218,7 +218,7 @@ def test_unreachable_stores_are_one_clear_error(fast_retries, monkeypatch):
     fast_retries(client_kwargs={"endpoint_url": f"http://127.0.0.1:{port}"})
     with pytest.raises(FileNotFoundError, match="NoCredentialsError"):  # not retried: the answer will not change
         resolve_sources("s3://bucket/shard-{0..1}.tar")
-    assert remote.take_retries() == 0
+    assert urls.take_retries() == 0
 
 
 def test_error_classification_reads_only_botocore_codes():
@@ -230,6 +230,6 @@ def test_error_classification_reads_only_botocore_codes():
             super().__init__(code)
             self.response = {"Error": {"Code": code}}
 
-    assert remote.retryable(WithResponse("reset"))
-    assert not remote.retryable(Boto("NoSuchKey")) and not remote.retryable(Boto("AccessDenied"))
-    assert remote.retryable(Boto("SlowDown"))
+    assert urls.retryable(WithResponse("reset"))
+    assert not urls.retryable(Boto("NoSuchKey")) and not urls.retryable(Boto("AccessDenied"))
+    assert urls.retryable(Boto("SlowDown"))

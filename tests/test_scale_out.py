@@ -94,8 +94,8 @@ def _config(run_dir: Path):
 
 
 def _write_checkpoint(run_dir: Path, step: int, world: int) -> None:
-    from mmpretrain.checkpoint import save_checkpoint
     from mmpretrain.run_files import RunFolder
+    from mmpretrain.train.checkpoint import save_checkpoint
 
     cfg = _config(run_dir)
     # written by one process for a world of `world` (every random_states_{r} file present)
@@ -108,7 +108,7 @@ def _write_checkpoint(run_dir: Path, step: int, world: int) -> None:
 def _decide(rank, world, root):
     from mmpretrain.config import ConfigError
     from mmpretrain.run_files import RunFolder
-    from mmpretrain.train.build import decide_resume
+    from mmpretrain.train.checkpoint import decide_resume
 
     run_dir = Path(root) / f"node{rank}"  # each node its own run folder (a node-local filesystem)
     try:
@@ -137,8 +137,8 @@ def test_every_rank_resumes_from_rank_0s_choice_or_all_refuse(tmp_path, node0, n
 
 
 def _save_with_a_slow_rank(rank, world, root):
-    from mmpretrain.checkpoint import save_checkpoint
     from mmpretrain.run_files import RunFolder
+    from mmpretrain.train.checkpoint import save_checkpoint
 
     save_checkpoint(_Acc(rank, world, delay=1.5), RunFolder(Path(root)), 7, {"loader": [{}] * world, "samples": 7})
     return sorted(p.name for p in (Path(root) / "checkpoints").iterdir())

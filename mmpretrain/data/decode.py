@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from mmpretrain.data.sidecar import IN_TAR, read_row
+
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 
 
@@ -114,8 +116,8 @@ class SampleDecoder:
         if self.embeddings != "ignore":
             if raw.get("__emb__") is not None:  # the sidecar's row (mmpretrain.data.sidecar)
                 emb = torch.from_numpy(self._checked(raw["__emb__"]))
-            elif "emb.npy" in raw:  # an in-tar member (the earlier layout)
-                emb = torch.from_numpy(self._embedding(raw["emb.npy"]))
+            elif IN_TAR in raw:  # an in-tar member (the earlier layout)
+                emb = torch.from_numpy(self._embedding(raw[IN_TAR]))
             elif self.embeddings == "require":
                 raise SkipSample("missing_embedding")
         try:
@@ -151,9 +153,9 @@ class SampleDecoder:
         return out
 
     def _embedding(self, data: bytes) -> np.ndarray:
-        try:  # never unpickled: an object array is a ValueError
-            arr = np.load(io.BytesIO(data), allow_pickle=False)
-        except (ValueError, EOFError, OSError):  # empty, truncated, not .npy
+        try:
+            arr = read_row(data)
+        except (ValueError, EOFError, OSError):  # empty, truncated, not .npy, an object array
             raise SkipSample("bad_embedding") from None
         return self._checked(arr)
 

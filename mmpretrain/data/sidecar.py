@@ -1,4 +1,6 @@
-"""Caption embeddings beside the shards (never inside them), as DataComp keeps per-sample features.
+"""Caption embeddings: the one owner of their formats. Beside the shards (never inside them), as DataComp
+keeps per-sample features; datasets embedded before the sidecars carry an in-tar ``{key}.emb.npy`` member
+(:data:`IN_TAR`, read by :func:`read_row`), which every reader still takes.
 
 An embedding folder ``EMB_DIR`` (the dataset folder by default; any folder, local or fsspec, when the
 shards are read-only or remote) holds, per shard ``NAME.tar``::
@@ -12,7 +14,9 @@ The training stream reads a shard's rows when it opens the shard. A sidecar that
 shard it is read with (rows, keys or count other than the shard's, a shard of another byte size or
 first key than the one embedded, an unreadable file) gives that shard's samples no embedding: each is
 counted as ``missing_embedding`` and the reason is logged once per shard, never a crash; a sample whose
-key is not the sidecar's key at its position is counted the same way.
+key is not the sidecar's key at its position is counted the same way. What can be seen before any work
+-- no sidecar for any shard, a dimension other than the recorded one -- is refused at setup
+(:func:`stored_dim`).
 """
 
 from __future__ import annotations
@@ -27,24 +31,43 @@ from typing import Any
 
 import numpy as np
 
-from mmpretrain.data.sources import _is_local, open_url, shard_path
+from mmpretrain.data.tar import UNREADABLE, read_tar
+from mmpretrain.data.urls import fs_kwargs, is_local, open_url, shard_path
 
 log = logging.getLogger("mmpretrain.data")
 
 INDEX = "embeddings.json"
 EMB_SUFFIX = ".emb.npy"
 KEYS_SUFFIX = ".keys.txt"
+SUFFIXES = (EMB_SUFFIX, KEYS_SUFFIX)  # one shard's sidecar files: NAME.tar + suffix
+LAYOUT = "sidecar"  # manifest.json's embedding.layout once `data_tools embed` wrote the sidecars
+IN_TAR = "emb.npy"  # the earlier layout's member suffix ({key}.emb.npy inside the shard)
+
+
+def read_row(data: bytes) -> np.ndarray:
+    """An in-tar ``{key}.emb.npy`` member's array, never unpickled (an object array is a ValueError;
+    empty, truncated or not .npy: ValueError, EOFError or OSError)."""
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+def recorded(source) -> dict[str, Any]:
+    """``{model, dim, ...}`` of a source's stored caption embeddings: its sidecar ``embeddings.json``, else
+    the manifest's record (of in-tar embeddings, or of sidecars that are not where the shards are); {}
+    when there are none."""
+    if source.embeddings is not None:
+        return {k: v for k, v in source.embeddings.index.items() if k != "shards"}
+    return source.manifest.get("embedding") or {}
 
 
 def join(folder: str, name: str) -> str:
-    return str(Path(folder) / name) if _is_local(folder) else posixpath.join(folder, name)
+    return str(Path(folder) / name) if is_local(folder) else posixpath.join(folder, name)
 
 
 def read_index(emb_dir: str) -> dict[str, Any] | None:
     """``embeddings.json`` of ``emb_dir``, or None when there is none (or it is not a JSON object)."""
     url = join(emb_dir, INDEX)
     try:
-        if _is_local(emb_dir):
+        if is_local(emb_dir):
             data = json.loads(Path(url).read_text())
         else:
             with open_url(url) as f:
@@ -59,14 +82,12 @@ def shard_bytes(url: str) -> int | None:
     if url.startswith("pipe:"):
         return None
     path = url.removeprefix("file://")
-    if _is_local(path):
+    if is_local(path):
         try:
             return os.path.getsize(path)
         except OSError:
             return None
     import fsspec
-
-    from mmpretrain.data.remote import fs_kwargs
 
     try:
         fs, p = fsspec.core.url_to_fs(path, **fs_kwargs(path))
@@ -158,6 +179,79 @@ class SourceEmbeddings:
 
     def for_shard(self, url: str, expected: int) -> ShardEmbeddings:
         return ShardEmbeddings(self.emb_dir, url, expected, self.index, self.warned)
+
+
+def _present(emb_dir: str, names: list[str]) -> list[str]:
+    """The shards among ``names`` whose ``NAME.tar.emb.npy`` is in ``emb_dir``: a file check each (local),
+    one listing (fsspec)."""
+    if is_local(emb_dir):
+        return [n for n in names if os.path.isfile(join(emb_dir, n + EMB_SUFFIX))]
+    import fsspec
+
+    try:
+        fs, root = fsspec.core.url_to_fs(emb_dir, **fs_kwargs(emb_dir))
+        listed = {posixpath.basename(p) for p in fs.ls(root, detail=False)}
+    except Exception:  # a store that cannot list: each shard's file is checked when it opens
+        return names
+    return [n for n in names if n + EMB_SUFFIX in listed]
+
+
+def _refuse_missing(source, model: str | None) -> None:
+    """No shard of ``source`` has its sidecar file although the data records embeddings: every sample
+    would be skipped as ``missing_embedding``. Raises ValueError naming a shard and the fixes."""
+    names = [posixpath.basename(shard_path(u)) for u in source.urls]
+    emb_dir = source.embeddings.emb_dir if source.embeddings is not None else (
+        posixpath.dirname(shard_path(source.urls[0])) or ".")
+    if source.embeddings is not None:
+        if _present(emb_dir, names):
+            return
+        what = f"{join(emb_dir, INDEX)} is there, but no shard's {EMB_SUFFIX} file (e.g. {join(emb_dir, names[0] + EMB_SUFFIX)})"
+    elif (source.manifest.get("embedding") or {}).get("layout") == LAYOUT:
+        what = (f"its manifest records embeddings beside the shards, but {emb_dir} holds no {INDEX} and no "
+                f"{join(emb_dir, names[0] + EMB_SUFFIX)}: were the shards copied without them?")
+    else:
+        return  # in-tar embeddings: read with each sample
+    raise ValueError(f"data.train source {source.spec}: {what}. Embed these shards (`python -m data_tools embed "
+                     f"{source.spec} --model {model or 'MODEL'}`), or point data.embeddings at the folder `data_tools "
+                     "embed` wrote them to (with '::' between the sources' folders); targets.source=online computes "
+                     "them each step instead")
+
+
+def stored_dim(sources: list, model: str | None = None) -> int:
+    """The dimension of the caption embeddings stored for ``sources``, checked before training: every
+    source has them where its record says (:func:`_refuse_missing`), all record one dimension, and
+    each source's first stored rows have it. Raises ValueError naming the fix (``model``: the
+    embedding model, for the commands it names). A dataset-wide problem is an error here; a single
+    bad row is a ``bad_embedding`` skip in the stream."""
+    for s in sources:
+        _refuse_missing(s, model)
+    dims = {s.spec: recorded(s).get("dim") for s in sources}
+    if len(set(dims.values())) != 1 or not isinstance(next(iter(dims.values())), int):
+        raise ValueError(f"data.train: the sources' manifests record embeddings of dimension {dims}: embed every "
+                         f"source with `python -m data_tools embed DIR --model {model} --overwrite`")
+    dim = next(iter(dims.values()))
+    for s in sources:
+        if s.embeddings is not None:  # the first sidecar's rows (each shard's are checked when it opens)
+            first = next(iter(s.embeddings.index["shards"]), None)
+            try:
+                shape = load_rows(s.embeddings.emb_dir, first).shape if first else None
+            except (OSError, ValueError, EOFError):
+                continue  # a damaged sidecar: its shard's samples are counted as missing_embedding
+            if shape is not None and (len(shape) != 2 or shape[1] != dim):
+                raise ValueError(f"{s.embeddings.emb_dir}: {first}{EMB_SUFFIX} has rows of shape {shape[1:]}, but "
+                                 f"its {INDEX} records dimension {dim}: embed again (`python -m data_tools embed "
+                                 f"{s.spec} --model {model} --overwrite`)")
+            continue
+        try:
+            sample = next(read_tar(s.urls[0]), None)
+            shape = read_row(sample[IN_TAR]).shape if sample and IN_TAR in sample else None
+        except (*UNREADABLE, KeyError):
+            continue  # an unreadable shard or sample: the stream skips and counts it
+        if shape is not None and shape != (dim,):
+            raise ValueError(f"{s.urls[0]}: {sample['__key__']}.{IN_TAR} has shape {shape}, but the manifest of "
+                             f"{s.spec} records dimension {dim}: re-embed it (`python -m data_tools embed DIR "
+                             f"--model {model} --overwrite`)")
+    return dim
 
 
 def attach_embeddings(sources: list, spec: str | None) -> None:

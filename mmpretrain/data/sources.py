@@ -7,7 +7,7 @@
 - ``pipe:COMMAND`` (the command writes the tar to stdout, e.g. ``pipe:cat /data/s-{000..009}.tar`` or
   ``pipe:aws s3 cp s3://bucket/s-{000..009}.tar -``);
 - fsspec urls (``s3://``, ``gs://``, ``hf://``, ``https://`` ...), opened with ``fsspec.open`` under
-  ``data.remote``'s timeouts and storage options, retried where they fail (mmpretrain/data/remote.py).
+  ``data.remote``'s timeouts and storage options, retried where they fail (mmpretrain/data/urls.py).
 
 Every shard's sample count must be known (exact epochs, and resuming without reading what was
 already seen, both depend on it): from the folder's ``sizes.json``, or for a pattern from a
@@ -21,12 +21,12 @@ import json
 import posixpath
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from braceexpand import braceexpand
-from webdataset.gopen import gopen
 
 from mmpretrain.data.manifest import MANIFEST, SIZES, check_sizes, read_manifest, read_sizes
+from mmpretrain.data.urls import describe, is_local, missing_object, open_url, shard_path
 
 
 @dataclass
@@ -37,29 +37,11 @@ class Source:
     weight: float = 1.0
     manifest: dict[str, Any] = field(default_factory=dict)  # the dataset's manifest.json ({} when absent)
     embeddings: Any = None  # mmpretrain.data.sidecar.SourceEmbeddings when caption embeddings lie beside the shards
+    # (their record, whatever the layout: mmpretrain.data.sidecar.recorded)
 
     @property
     def num_samples(self) -> int:
         return sum(self.sizes)
-
-    @property
-    def embedding_record(self) -> dict[str, Any]:
-        """``{model, dim, ...}`` of the stored caption embeddings: the sidecar's ``embeddings.json``, else
-        the manifest's record of in-tar ones; {} when there are none."""
-        if self.embeddings is not None:
-            return {k: v for k, v in self.embeddings.index.items() if k != "shards"}
-        return self.manifest.get("embedding") or {}
-
-
-def shard_path(url: str) -> str:
-    """The path part a ``sizes.json`` is looked up beside."""
-    if url.startswith("pipe:"):
-        return url[5:].split()[-1]
-    return url.removeprefix("file://")
-
-
-def _is_local(path: str) -> bool:
-    return "://" not in path
 
 
 def _near(urls: list[str], name: str) -> str:
@@ -68,7 +50,7 @@ def _near(urls: list[str], name: str) -> str:
 
 
 def _read_json(url: str) -> Any:
-    if _is_local(url):
+    if is_local(url):
         return json.loads(Path(url).read_text())
     with open_url(url) as f:
         return json.loads(f.read().decode("utf-8"))
@@ -81,9 +63,7 @@ def _read_sizes_near(urls: list[str], spec: str) -> dict[str, int]:
     except ImportError as e:  # the url's fsspec package (gcsfs, s3fs ...) is not installed
         raise ValueError(f"data.train source {spec!r}: {e}") from None
     except Exception as e:
-        from mmpretrain.data.remote import describe, missing_object
-
-        if not (_is_local(sizes_url) or missing_object(e)) or not isinstance(e, (OSError, ValueError)):
+        if not (is_local(sizes_url) or missing_object(e)) or not isinstance(e, (OSError, ValueError)):
             raise FileNotFoundError(
                 f"data.train source {spec!r}: cannot read {sizes_url}: {describe(e)}. Check the url, the "
                 "credentials (AWS_* variables, a profile) and data.remote.storage_options (an endpoint_url)"
@@ -107,7 +87,7 @@ def _read_manifest_near(urls: list[str]) -> dict[str, Any]:
 
 def resolve_source(spec: str, weight: float = 1.0) -> Source:
     p = Path(spec.removeprefix("file://"))
-    if _is_local(spec.removeprefix("file://")) and p.is_dir():
+    if is_local(spec.removeprefix("file://")) and p.is_dir():
         sizes = read_sizes(p)
         names = sorted(sizes)
         missing = [n for n in names if not (p / n).is_file()]
@@ -116,7 +96,7 @@ def resolve_source(spec: str, weight: float = 1.0) -> Source:
                                     f"({len(missing)} missing); rebuild or fix sizes.json")
         return Source(spec, [str(p / n) for n in names], [int(sizes[n]) for n in names], weight, read_manifest(p))
     urls = list(braceexpand(spec))
-    local = [u for u in urls if not u.startswith("pipe:") and _is_local(u.removeprefix("file://"))]
+    local = [u for u in urls if not u.startswith("pipe:") and is_local(u.removeprefix("file://"))]
     missing = [u for u in local if not Path(u.removeprefix("file://")).is_file()]
     if missing and any(c in spec for c in "*?["):
         raise FileNotFoundError(f"data.train: {spec} holds a glob pattern, which is not expanded: name shards with "
@@ -145,12 +125,3 @@ def resolve_sources(spec: str, weights: list[float] | None = None) -> list[Sourc
         if s.num_samples == 0:
             raise ValueError(f"data.train source {s.spec!r} has no samples (sizes.json counts are all 0)")
     return sources
-
-
-def open_url(url: str) -> IO[bytes]:
-    """A binary stream for a shard url (local, file://, pipe:, or any fsspec url)."""
-    if url.startswith("pipe:") or _is_local(url.removeprefix("file://")):
-        return gopen(url.removeprefix("file://"), "rb")
-    from mmpretrain.data.remote import open_remote
-
-    return open_remote(url)  # data.remote's timeouts and storage options

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from mmpretrain.data import remote
+from mmpretrain.data import urls
 from mmpretrain.data.decode import SampleDecoder, SkipSample
 from mmpretrain.data.plan import Segment, StreamPlan
 from mmpretrain.data.tar import UNREADABLE, read_tar
@@ -215,7 +215,7 @@ class Reader:
                 repeat = pos >= M + P
             # only the slots not consumed yet are read (a resumed block skips the rest without extracting)
             raws = {p: reader.get(p) for p in sorted(perm[k0:])}
-            retries = remote.take_retries()  # remote reads retried (no sample lost): counted with the skips
+            retries = urls.take_retries()  # remote reads retried (no sample lost): counted with the skips
             if retries:
                 skipped["remote_retries"] += retries
             if reader.uncounted:

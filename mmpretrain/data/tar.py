@@ -7,7 +7,7 @@ webdataset's naming rule (:func:`split_name`). :func:`read_tar` parses the 512-b
 mode, which builds a TarInfo and parses every pax header into Python objects, and able to skip
 samples without copying their bytes out (resuming inside a shard). A truncated or malformed tar
 raises one of :data:`UNREADABLE` after yielding every sample it could read. Remote shards (fsspec
-urls) are retried where they fail, from the first sample not yet delivered (mmpretrain/data/remote.py).
+urls) are retried where they fail, from the first sample not yet delivered (mmpretrain/data/urls.py).
 """
 
 from __future__ import annotations
@@ -19,18 +19,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from mmpretrain.data import remote
-from mmpretrain.data.sources import open_url
+from mmpretrain.data import urls
+from mmpretrain.data.urls import MalformedTar, open_url
 
 __all__ = ["UNREADABLE", "MalformedTar", "read_tar", "split_name", "tar_keys"]
 
 # what reading a broken shard raises: a cut stream (EOFError), bad header fields (ValueError), I/O and
 # gzip errors (OSError, zlib.error)
 UNREADABLE = (OSError, EOFError, ValueError, zlib.error)
-
-
-class MalformedTar(ValueError):
-    """Header fields that do not parse: the bytes are wrong, reading them again gives the same."""
 
 
 def split_name(name: str) -> tuple[str, str] | None:
@@ -109,9 +105,9 @@ def read_tar(url: str | Path, skip: int = 0, only: tuple[str, ...] | None = None
     ``skip`` samples whose bytes are never copied out; ``only``: the member suffixes to read (the
     others are skipped, e.g. the images when only captions are wanted). Raises one of
     :data:`UNREADABLE` on an unreadable or truncated tar, after yielding what it read; a remote shard
-    is first retried (:mod:`mmpretrain.data.remote`)."""
+    is first retried (:mod:`mmpretrain.data.urls`)."""
     url = str(url)
-    if remote.is_remote(url):
+    if urls.is_remote(url):
         yield from _read_remote(url, skip, only)
         return
     raw = open_url(url)
@@ -152,12 +148,12 @@ def _read_remote(url: str, skip: int, only: tuple[str, ...] | None) -> Iterator[
     """:func:`read_tar` of a remote shard with retries: after a failure the shard is re-opened at the
     first sample not yet delivered (a seek, i.e. a range request), or re-read with those samples
     skipped when it is gzipped; the attempt count restarts once a sample has come through."""
-    opts = remote.options()
+    opts = urls.options()
     delivered, offset, attempt = 0, None, 0
     while True:
         raw = None
         try:
-            raw = remote.open_remote(url, opts)
+            raw = urls.open_remote(url, opts)
             if offset is not None and raw.seekable():
                 raw.seek(offset)
                 stream = _buffered(raw)
@@ -173,10 +169,10 @@ def _read_remote(url: str, skip: int, only: tuple[str, ...] | None) -> Iterator[
                 yield sample
             return
         except Exception as e:
-            if not remote.retryable(e) or attempt >= opts.retries:
+            if not urls.retryable(e) or attempt >= opts.retries:
                 raise _unreadable(e, url, attempt) from e
             attempt += 1
-            remote.retry_wait(url, attempt, e, opts)
+            urls.retry_wait(url, attempt, e, opts)
         finally:
             if raw is not None:
                 try:
@@ -190,7 +186,7 @@ def _unreadable(e: BaseException, url: str, attempts: int) -> BaseException:
     not OSErrors), naming the url, the cause and the retries made."""
     if isinstance(e, UNREADABLE) and not attempts:
         return e
-    return OSError(f"{url}: {remote.describe(e)}" + (f" (after {attempts} retries)" if attempts else ""))
+    return OSError(f"{url}: {urls.describe(e)}" + (f" (after {attempts} retries)" if attempts else ""))
 
 
 def tar_keys(url: str | Path) -> Iterator[str]:

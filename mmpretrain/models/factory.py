@@ -16,6 +16,7 @@ import types
 import typing
 from dataclasses import asdict
 from pathlib import Path
+from pickle import UnpicklingError  # the exception only: weights load through safetensors or weights_only
 
 import open_clip
 import torch
@@ -308,8 +309,14 @@ def _load_pretrained(clip: nn.Module, pretrained: str, arch: str | None) -> None
     if p.is_file():
         if p.suffix == ".safetensors":
             clip.load_state_dict(fit_logits(load_file(p), clip), strict=False)
-        else:
+            return
+        try:
             open_clip.load_checkpoint(clip, str(p), strict=False, weights_only=True)
+        except UnpicklingError:
+            raise ValueError(f"model.pretrained={pretrained}: the file holds pickled objects other than weights, "
+                             "refused for safety (torch.load weights_only). Accepted: a .safetensors file, a "
+                             "weights-only torch file, a run or export folder, an open_clip pretrained tag, or "
+                             "hf-hub:ORG/NAME") from None
         return
     register_packaged_configs()
     tag_cfg = open_clip.get_pretrained_cfg(arch, pretrained)

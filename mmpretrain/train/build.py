@@ -4,47 +4,33 @@ any compute."""
 
 from __future__ import annotations
 
-import io
 import json
-import os
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 from open_clip.transform import PreprocessCfg, image_transform_v2
 
-from mmpretrain.checkpoint import (
-    Resume,
-    check_layout,
-    check_resume,
-    choose_resume,
-    load_objective_state,
-    read_train_state,
-)
-from mmpretrain.config import ConfigError, ExperimentConfig, flat_config, resolve_schedule, to_yaml
-from mmpretrain.data import remote
+from mmpretrain.config import ConfigError, ExperimentConfig, flat_config, to_yaml
+from mmpretrain.data import urls
 from mmpretrain.data.decode import SampleDecoder, split_normalize
 from mmpretrain.data.manifest import provenance_record
 from mmpretrain.data.plan import StreamPlan
-from mmpretrain.data.sidecar import EMB_SUFFIX, INDEX, attach_embeddings, load_rows
+from mmpretrain.data.sidecar import attach_embeddings, recorded, stored_dim
 from mmpretrain.data.sources import Source, resolve_sources
 from mmpretrain.data.stream import StreamPosition, TrainStream, make_loader
-from mmpretrain.data.tar import UNREADABLE, read_tar
 from mmpretrain.eval import Evaluator, load_task_data
 from mmpretrain.hub_cache import offline, require_model
-from mmpretrain.launch import engine_of
 from mmpretrain.losses import WeightedObjective, build_objective
 from mmpretrain.models import factory
 from mmpretrain.models.target_encoder import choose_target_source, load_target_encoder
-from mmpretrain.observe import numeric
-from mmpretrain.run_files import TRAIN_STATE, JsonlLog, RunFolder, provenance
-from mmpretrain.schedule import Schedule, param_groups
-from mmpretrain.train.state import Run, TrainState
+from mmpretrain.run_files import JsonlLog, RunFolder, provenance
+from mmpretrain.train.checkpoint import build_position, check_layout, decide_resume, restore_state
+from mmpretrain.train.engine import configure_engine, engine_requested, input_dtype, make_accelerator
+from mmpretrain.train.schedule import Schedule, param_groups, resolve_schedule
+from mmpretrain.train.state import Run, TrainState, numeric
 
 
 @dataclass
@@ -65,128 +51,9 @@ class Model:
     preprocess_cfg: dict
 
 
-def on_cpu() -> bool:
-    """Whether accelerate is to run on the CPU (no GPU here). tests/scripts/gpu_engine_on_cpu.py
-    replaces it to drive accelerate's FSDP and DeepSpeed paths on CPU gloo ranks."""
-    return not torch.cuda.is_available()
-
-
-def make_accelerator(cfg: ExperimentConfig) -> Accelerator:
-    cpu = on_cpu()
-    if cfg.train.precision == "fp16" and cpu:  # accelerate's loss scaling needs one
-        raise ConfigError("train.precision=fp16 needs a GPU; on a CPU use train.precision=bf16 (autocast) or no")
-    launched = os.environ.get("ACCELERATE_MIXED_PRECISION")  # the accelerate config's mixed_precision
-    wanted = "no" if cfg.train.precision == "fp32" else cfg.train.precision
-    if launched and launched != wanted and os.environ.get("RANK", "0") == "0":
-        print(f"note: train.precision={cfg.train.precision} decides the precision; the accelerate config's "
-              f"mixed_precision={launched} is not used (set train.precision={launched} for it)", file=sys.stderr)
-    engine = engine_requested()
-    if engine and cpu:  # with cpu=True accelerate would silently train without the engine
-        raise ConfigError(f"the accelerate config asks for {engine}, which needs GPUs; this machine has none. "
-                          "Launch with configs/accelerate/cpu-2proc.yaml (gloo data parallelism) on a CPU")
-    if not cpu:  # open_clip_train's GPU defaults: TF32 matmuls and convolutions, cuDNN autotuning
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        torch.backends.cudnn.benchmark = True
-    dynamo = None
-    if cfg.train.compile:
-        from accelerate.utils import TorchDynamoPlugin
-
-        dynamo = TorchDynamoPlugin(backend="inductor")
-    try:
-        return Accelerator(cpu=cpu, mixed_precision=cfg.train.precision, dynamo_plugin=dynamo,
-                           log_with=list(cfg.train.log_with) or None, project_dir=str(cfg.resolved_run_dir))
-    except (ValueError, ImportError) as e:
-        if cfg.train.log_with and any(t in str(e).lower() for t in (*cfg.train.log_with, "tracker")):
-            raise ConfigError(f"train.log_with={cfg.train.log_with}: {e} (pip install the tracker, or drop it)") from None
-        raise ConfigError(f"accelerate cannot start this run (train.precision={cfg.train.precision}): {e}") from None
-
-
-def configure_engine(cfg: ExperimentConfig, acc: Accelerator) -> None:
-    """What FSDP and DeepSpeed need from this config, set or refused before the model is prepared.
-
-    DeepSpeed: accelerate fills ``train_micro_batch_size_per_gpu: auto`` from a prepared DataLoader,
-    which this trainer does not use (its stream is its own), so the batch sizes are set from
-    ``data.batch_size``; the engine clips gradients itself, so its ``gradient_clipping`` is set from
-    ``optim.grad_clip_norm`` (a config file's value would silently win otherwise); its ``backward``
-    also steps the optimizer, so micro-batches (several backwards per step) and engine-side gradient
-    accumulation are refused."""
-    if engine_of(acc.distributed_type) != "DEEPSPEED":
-        return
-    if cfg.train.micro_batch_size:
-        raise ConfigError(f"train.micro_batch_size={cfg.train.micro_batch_size} under DeepSpeed: its backward steps "
-                          "the optimizer, so gradient caching or accumulation would take one optimizer step per "
-                          "micro-batch. Remove train.micro_batch_size, or launch with configs/accelerate/fsdp.yaml "
-                          "or 8gpu.yaml (DDP), where micro-batches are exact")
-    ds = acc.state.deepspeed_plugin.deepspeed_config
-    if ds.get("gradient_accumulation_steps", 1) not in (1, "auto"):
-        raise ConfigError(f"the DeepSpeed config sets gradient_accumulation_steps={ds['gradient_accumulation_steps']}: "
-                          "this trainer takes one optimizer step per batch; set it to 1 (a bigger batch: "
-                          "data.batch_size, or train.micro_batch_size under DDP/FSDP)")
-    ds.update(train_micro_batch_size_per_gpu=cfg.data.batch_size, gradient_accumulation_steps=1,
-              train_batch_size=cfg.data.batch_size * acc.num_processes,
-              gradient_clipping=cfg.optim.grad_clip_norm or 0.0)
-
-
-def input_dtype(acc: Accelerator) -> torch.dtype | None:
-    """The dtype the batch's images must have: DeepSpeed under bf16/fp16 holds the weights in it and
-    runs without autocast; every other engine takes fp32 images (autocast casts)."""
-    if engine_of(acc.distributed_type) == "DEEPSPEED" and acc.mixed_precision in ("bf16", "fp16"):
-        return torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float16
-    return None
-
-
-def engine_requested() -> str | None:
-    """``FSDP`` or ``DeepSpeed`` when ``accelerate launch`` was given such a config (its environment)."""
-    for var, name in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
-        if os.environ.get(var, "false").lower() == "true":
-            return name
-    return None
-
-
-def decide_resume(acc: Accelerator, cfg: ExperimentConfig, files: RunFolder) -> tuple[Any, dict[str, Any] | None]:
-    """Rank 0 picks the checkpoint to resume from (verifying it, skipping damaged ones) and every rank
-    takes its choice, so that all resume from the same step -- or all refuse with the same message.
-
-    A checkpoint inside the run folder travels as its name and each rank reads it from its own
-    ``run_dir`` (the same path on a shared filesystem; each node's copy where run folders are per
-    node). A rank that does not see it complete -- a node-local or lagging filesystem -- would resume
-    from another step, or fail inside ``load_state``: every rank refuses instead, naming the rank."""
-    choice: list[Any] = [None]
-    if acc.is_main_process:
-        try:
-            chosen = choose_resume(cfg.resume, files, acc.num_processes)
-            where = None
-            if chosen.ckpt is not None:
-                inside = chosen.ckpt.resolve().parent == files.checkpoints.resolve()
-                where = ("name", chosen.ckpt.name) if inside else ("path", str(chosen.ckpt))
-            choice = [(where, chosen.exact, chosen.notes, None)]
-        except ConfigError as e:
-            choice = [(None, True, [], str(e))]
-    if acc.num_processes > 1:
-        torch.distributed.broadcast_object_list(choice, src=0)
-    where, exact, notes, error = choice[0]
-    if error:
-        raise ConfigError(error)
-    path = None if where is None else files.checkpoints / where[1] if where[0] == "name" else Path(where[1])
-    if acc.num_processes > 1:
-        seen = [None] * acc.num_processes
-        torch.distributed.all_gather_object(seen, path is None or (path / TRAIN_STATE).is_file())
-        if not all(seen):
-            ranks = [r for r, ok in enumerate(seen) if not ok]
-            raise ConfigError(f"rank 0 resumes from {path}, which rank(s) {ranks} do not see (no {TRAIN_STATE} "
-                              "there): run_dir must be on a filesystem every node shares, with the same path "
-                              "(or copy the checkpoint to every node's run_dir, or give resume=PATH that all see)")
-    if acc.is_main_process:
-        for note in notes:
-            print(f"warning: {note}", file=sys.stderr)
-    chosen = Resume(path, read_train_state(path), exact, notes) if path else Resume()
-    return check_resume(chosen, files, cfg.model_dump(mode="json"))
-
-
 def build_data(cfg: ExperimentConfig, world_size: int) -> Data:
     # process-wide, before the loader workers fork (they inherit it): every remote read of the run
-    remote.configure(remote.RemoteOptions(**cfg.data.remote.model_dump()))
+    urls.configure(urls.RemoteOptions(**cfg.data.remote.model_dump()))
     try:
         sources = resolve_sources(cfg.data.train, cfg.data.weights)
         attach_embeddings(sources, cfg.data.embeddings)
@@ -220,9 +87,9 @@ def build_objective_for(cfg: ExperimentConfig, rank: int, world_size: int, datas
 def target_source(cfg: ExperimentConfig, sources: list[Source], objective: WeightedObjective) -> str:
     """``shards``, ``online`` or ``none``: where the caption embeddings the objective (or the
     text-from-targets model) needs come from."""
-    recorded = {s.embedding_record.get("model") for s in sources}
+    models = {recorded(s).get("model") for s in sources}
     try:
-        return choose_target_source(cfg.targets.source, cfg.targets.model, recorded,
+        return choose_target_source(cfg.targets.source, cfg.targets.model, models,
                                     needed=cfg.model.text_from_targets or objective.needs_targets,
                                     text_from_targets=cfg.model.text_from_targets)
     except ValueError as e:
@@ -230,38 +97,15 @@ def target_source(cfg: ExperimentConfig, sources: list[Source], objective: Weigh
 
 
 def embedding_dim(cfg: ExperimentConfig, sources: list[Source], targets: str, model: Model) -> int | None:
-    """The stored caption embeddings' dimension (targets from the shards): the one every source's
-    manifest records, checked against each source's first stored embedding and, with
-    ``text_from_targets``, against the text tower's input. A dataset-wide mismatch is an error here,
-    before training; a single bad embedding is a ``bad_embedding`` skip in the stream."""
+    """The stored caption embeddings' dimension (targets from the shards), checked before training
+    (:func:`mmpretrain.data.sidecar.stored_dim`) and, with ``text_from_targets``, against the text
+    tower's input."""
     if targets != "shards":
         return None
-    dims = {s.spec: s.embedding_record.get("dim") for s in sources}
-    if len(set(dims.values())) != 1 or not isinstance(next(iter(dims.values())), int):
-        raise ConfigError(f"data.train: the sources' manifests record embeddings of dimension {dims}: embed every "
-                          f"source with `python -m data_tools embed DIR --model {cfg.targets.model} --overwrite`")
-    dim = next(iter(dims.values()))
-    for s in sources:
-        if s.embeddings is not None:  # the first sidecar's rows (each shard's are checked when it opens)
-            first = next(iter(s.embeddings.index["shards"]), None)
-            try:
-                shape = load_rows(s.embeddings.emb_dir, first).shape if first else None
-            except (OSError, ValueError, EOFError):
-                continue  # a damaged sidecar: its shard's samples are counted as missing_embedding
-            if shape is not None and (len(shape) != 2 or shape[1] != dim):
-                raise ConfigError(f"{s.embeddings.emb_dir}: {first}{EMB_SUFFIX} has rows of shape {shape[1:]}, but "
-                                  f"its {INDEX} records dimension {dim}: embed again (`python -m data_tools embed "
-                                  f"{s.spec} --model {cfg.targets.model} --overwrite`)")
-            continue
-        try:
-            first = next(read_tar(s.urls[0]), None)
-            shape = np.load(io.BytesIO(first["emb.npy"]), allow_pickle=False).shape if first and "emb.npy" in first else None
-        except (*UNREADABLE, KeyError):
-            continue  # an unreadable shard or sample: the stream skips and counts it
-        if shape is not None and shape != (dim,):
-            raise ConfigError(f"{s.urls[0]}: {first['__key__']}.emb.npy has shape {shape}, but the manifest of "
-                              f"{s.spec} records dimension {dim}: re-embed it (`python -m data_tools embed DIR "
-                              f"--model {cfg.targets.model} --overwrite`)")
+    try:
+        dim = stored_dim(sources, cfg.targets.model)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     text = getattr(model.module.clip, "text", None)
     want = getattr(getattr(text, "proj", None), "in_features", None)
     if cfg.model.text_from_targets and want is not None and want != dim:
@@ -301,21 +145,6 @@ def build_model(cfg: ExperimentConfig, objective: WeightedObjective) -> Model:
     return Model(module, model_cfg, factory.default_preprocess_cfg(model_cfg))
 
 
-def build_position(plan: StreamPlan, saved: dict[str, Any] | None, rank: int, world_size: int, ckpt) -> StreamPosition:
-    """This rank's stream position: the start, or the checkpoint's (same ranks and plan, else refused)."""
-    position = StreamPosition(plan)
-    if saved is None:
-        return position
-    if len(saved["loader"]) != world_size:
-        raise ConfigError(f"{ckpt} was written by {len(saved['loader'])} process(es), this run has {world_size}: an "
-                          "exact resume needs the same number (or start anew with model.pretrained=CHECKPOINT)")
-    try:
-        position.load(saved["loader"][rank])
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return position
-
-
 def build_loader(cfg: ExperimentConfig, data: Data, model: Model, objective: WeightedObjective, targets: str,
                  position: StreamPosition | None, rank: int, pin_memory: bool, embedding_dim: int | None = None,
                  transform=None):
@@ -338,23 +167,6 @@ def make_optimizer(cfg: ExperimentConfig, module: torch.nn.Module) -> torch.opti
     o = cfg.optim
     return torch.optim.AdamW(param_groups(module, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps,
                              fused=o.implementation == "fused" or None, foreach=o.implementation == "foreach")
-
-
-def restore_state(acc: Accelerator, objective: WeightedObjective, state: TrainState, files: RunFolder, ckpt,
-                  saved: dict[str, Any]) -> list[dict[str, Any]]:
-    """Weights, optimizer and RNG (accelerate's ``load_state``: safetensors and ``torch.load(weights_only)``),
-    the objective's state and the counters (the stream position is restored before the loader is
-    built: :func:`build_position`). Returns the log records up to the checkpoint: later ones belong
-    to the interrupted attempt."""
-    acc.load_state(str(ckpt))
-    if objective.state_dict():
-        load_objective_state(objective, ckpt)
-    state.step, state.samples = saved["step"], saved["samples"]
-    state.nonfinite_steps = saved.get("nonfinite_steps", 0)
-    state.exact = bool(saved.get("exact_resume", True))  # once inexact (an RNG state was lost), for good
-    if acc.is_main_process:  # the saved counts are sums over ranks
-        state.skipped.update(saved["skipped"])
-    return files.log_records(up_to_step=saved["step"])
 
 
 def write_run_files(files: RunFolder, cfg: ExperimentConfig, data: Data, model: Model, targets: str,
@@ -426,7 +238,7 @@ def setup(cfg: ExperimentConfig) -> Run:
     transform, normalize = split_normalize(image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=True))
     loader = build_loader(cfg, data, model, objective, targets, state.position if saved is not None else None, rank,
                           acc.device.type == "cuda", embedding_dim(cfg, data.sources, targets, model), transform)
-    configure_engine(cfg, acc)
+    configure_engine(cfg, acc, data.schedule)
     if cfg.train.channels_last:
         model.module.to(memory_format=torch.channels_last)
     module, optimizer = acc.prepare(model.module, make_optimizer(cfg, model.module))

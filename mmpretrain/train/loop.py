@@ -14,13 +14,13 @@ import torch
 from accelerate.utils import gather_object
 from tqdm import tqdm
 
-from mmpretrain.checkpoint import save_checkpoint
-from mmpretrain.grad_cache import StepResult, forward_backward
 from mmpretrain.hub import push_folder
-from mmpretrain.metrics import plot_run
 from mmpretrain.models.factory import trim_padding
-from mmpretrain.observe import all_ranks_skipped, diagnostics, evaluate, log_record
-from mmpretrain.schedule import lr_at
+from mmpretrain.train.checkpoint import save_checkpoint
+from mmpretrain.train.diagnostics import plot_run
+from mmpretrain.train.grad_cache import StepResult, forward_backward
+from mmpretrain.train.observe import all_ranks_skipped, diagnostics, evaluate, log_record
+from mmpretrain.train.schedule import lr_at
 from mmpretrain.train.state import Run
 
 

@@ -15,9 +15,8 @@ from mmpretrain.config import ExperimentConfig
 from mmpretrain.data.stream import StreamPosition
 from mmpretrain.eval import Evaluator
 from mmpretrain.losses import WeightedObjective
-from mmpretrain.observe import numeric
 from mmpretrain.run_files import JsonlLog, RunFolder
-from mmpretrain.schedule import Schedule
+from mmpretrain.train.schedule import Schedule
 
 
 @dataclass
@@ -61,3 +60,14 @@ class Run:
         if self.log is not None and rec:
             self.log.write(rec)
             self.accelerator.log(numeric(rec), step=rec["step"])
+
+
+def numeric(rec: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """Flat ``name -> number`` for tensorboard/wandb (nested dicts become ``a/b``)."""
+    out: dict[str, float] = {}
+    for k, v in rec.items():
+        if isinstance(v, dict):
+            out.update(numeric(v, f"{prefix}{k}/"))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+            out[prefix + k] = float(v)
+    return out

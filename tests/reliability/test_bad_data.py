@@ -326,3 +326,42 @@ def test_samples_beyond_the_sizes_json_count_are_counted(tmp_path):
     (tmp_path / "d/sizes.json").write_text(json.dumps(sizes))
     keys, skipped, _ = _epoch(tmp_path / "d", batch=2)
     assert skipped["beyond_sizes_json"] == 2 and len(keys) == 10
+
+
+@pytest.mark.parametrize("copied", ["tars, sizes and manifest", "and embeddings.json"])
+def test_shards_copied_without_their_sidecars_are_refused_before_training(openmoji, tmp_path, copied):
+    """The tars, sizes.json and manifest.json copied to local disk (as users do before a run) without the
+    NAME.tar.emb.npy files beside them, then trained with an objective that needs stored targets: refused
+    at setup naming a shard and the fixes (it trained, skipped every sample as missing_embedding, and
+    stopped with "found no decodable sample"); verify says it once (it said "no emb.npy" per sample)."""
+    import shutil
+
+    from conftest import run_main, train
+
+    data = tmp_path / "copy"
+    data.mkdir()
+    names = ["sizes.json", "manifest.json"] + (["embeddings.json"] if copied.startswith("and") else [])
+    for p in (openmoji / "train").iterdir():
+        if p.suffix == ".tar" or p.name in names:
+            shutil.copy(p, data / p.name)
+    assert json.loads((data / "manifest.json").read_text())["embedding"]["layout"] == "sidecar"
+    r = train(data, tmp_path / "run", "train.steps=2", "data.num_workers=0")  # the demo: soft targets from the shards
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "no decodable sample" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, r.stderr[-2000:]
+    first = sorted(p.name for p in data.glob("*.tar"))[0]
+    assert f"{first}.emb.npy" in errors[0] and "python -m data_tools embed" in errors[0]
+    assert "data.embeddings" in errors[0] and "targets.source=online" in errors[0]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    r = run_main("data_tools", "verify", str(data))
+    if copied.startswith("and"):  # the index is there: each shard's missing files are named (bad_embedding_file)
+        assert "bad_embedding_file" in r.stdout and "no emb.npy" not in r.stdout, r.stdout
+    else:
+        assert "missing_embedding_files: 1" in r.stdout, r.stdout
+        assert r.stdout.count("manifest records embeddings beside the shards") == 1, r.stdout
+        assert "no emb.npy" not in r.stdout and "missing_embedding:" not in r.stdout, r.stdout
+    # the fix the message gives: embedding the copy trains
+    assert run_main("data_tools", "embed", str(data), "--model", "sentence-transformers/all-MiniLM-L6-v2").returncode == 0
+    r = train(data, tmp_path / "run2", "train.steps=2", "data.num_workers=0")
+    assert r.returncode == 0, r.stderr[-2000:]

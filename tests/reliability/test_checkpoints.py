@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from mmpretrain.checkpoint import verify_checkpoint
+from mmpretrain.train.checkpoint import verify_checkpoint
 
 from conftest import ROOT, run_main
 
@@ -97,3 +97,64 @@ def test_a_lost_rng_state_resumes_with_a_warning_and_is_recorded(openmoji, run4,
     assert "random_states_0.pkl: missing" in r.stderr and "not bit-exact" in r.stderr
     state = json.loads((run / "checkpoints/step_00000006/train_state.json").read_text())
     assert state["exact_resume"] is False
+
+
+class Foreign:
+    """An object a weights-only load refuses: what a tampered or foreign checkpoint file holds."""
+
+
+def _pickled_objects(path):
+    import torch
+
+    torch.save({"state": {}, "param_groups": [], "extra": Foreign()}, path)
+
+
+def test_an_optimizer_with_pickled_objects_is_skipped_like_any_damage(openmoji, run4, tmp_path):
+    """An optimizer.bin that holds pickled objects (a torch zip, intact CRCs) is named by verify and the
+    resume falls back to the newest intact checkpoint with a warning; it was a traceback and exit 1."""
+    ckpt = tmp_path / "step_00000004"
+    shutil.copytree(run4 / "checkpoints/step_00000004", ckpt)
+    _pickled_objects(ckpt / "optimizer.bin")
+    problems, _ = verify_checkpoint(ckpt, world_size=1)
+    assert problems and "optimizer.bin: holds pickled objects" in problems[0], problems
+    run = tmp_path / "run"
+    shutil.copytree(run4, run)
+    _pickled_objects(run / "checkpoints/step_00000004/optimizer.bin")
+    r = _train(openmoji, run, 6)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "UnpicklingError" not in r.stderr
+    assert "skipped" in r.stderr and "step_00000004: optimizer.bin: holds pickled objects" in r.stderr
+    assert "resumed from" in r.stderr and "step_00000002 at step 2" in r.stderr
+    # an RNG state with objects in it: resumed without it, not bit-exact, said so
+    run = tmp_path / "rng"
+    shutil.copytree(run4, run)
+    _pickled_objects(run / "checkpoints/step_00000004/random_states_0.pkl")
+    r = _train(openmoji, run, 6)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "random_states_0.pkl: holds pickled objects" in r.stderr and "not bit-exact" in r.stderr
+
+
+def test_a_pretrained_file_with_pickled_objects_is_refused_in_one_line(openmoji, run4, tmp_path):
+    """model.pretrained=FILE.pt holding objects other than weights: exit 2 before any work, naming the
+    file, why, and what is accepted; it was a traceback and exit 1."""
+    import torch
+    from safetensors.torch import load_file
+
+    bad = tmp_path / "weights.pt"
+    weights = load_file(run4 / "checkpoints/step_00000004/model.safetensors")
+    torch.save({"state_dict": {k.removeprefix("clip."): v for k, v in weights.items()}, "extra": Foreign()}, bad)
+    r = run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
+                 f"run_dir={tmp_path / 'run'}", "train.steps=2", f"model.pretrained={bad}", *ARGS)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"model.pretrained={bad}" in errors[0], r.stderr[-2000:]
+    assert "pickled objects other than weights" in errors[0] and "refused for safety" in errors[0]
+    assert all(w in errors[0] for w in (".safetensors", "weights-only torch file", "run or export folder", "hf-hub:"))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    # the same weights as a weights-only file start a run
+    good = tmp_path / "good.pt"
+    torch.save({"state_dict": {k.removeprefix("clip."): v for k, v in weights.items()}}, good)
+    r = run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
+                 f"run_dir={tmp_path / 'run2'}", "train.steps=2", f"model.pretrained={good}", *ARGS)
+    assert r.returncode == 0, r.stderr[-2000:]

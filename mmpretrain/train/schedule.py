@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from mmpretrain.config import ConfigError, ExperimentConfig
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -24,6 +26,24 @@ class Schedule:
     def epoch_at(self, step: int) -> float:
         """Epochs completed after ``step`` steps (steps / steps per epoch)."""
         return step / self.steps_per_epoch
+
+
+def resolve_schedule(cfg: ExperimentConfig, steps_per_epoch: int, num_samples: int, world_size: int) -> Schedule:
+    """Durations converted to steps once, from the stream's steps per epoch (mmpretrain/data/plan.py), and
+    the global batch (``data.batch_size`` x ``world_size``), which everything after setup reads from here."""
+    if cfg.train.steps is not None:
+        total = cfg.train.steps
+    else:
+        total = max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
+    warmup = cfg.optim.warmup_steps if cfg.optim.warmup_steps is not None else total // 10
+    if warmup >= total:
+        raise ConfigError(f"optim.warmup_steps={warmup} must be below the {total} total steps")
+    diag = cfg.train.diagnostics_every
+    if diag == "auto":  # about 50 points over the run, on logging steps
+        every = cfg.train.log_every
+        diag = every * max(1, round(total / (50 * every)))
+    return Schedule(total_steps=total, warmup_steps=warmup, steps_per_epoch=steps_per_epoch, num_samples=num_samples,
+                    global_batch_size=cfg.data.batch_size * world_size, world_size=world_size, diagnostics_every=diag)
 
 
 def lr_at(step: int, *, base_lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0) -> float:

@@ -1,5 +1,7 @@
-"""Remote shards (fsspec urls: ``s3://``, ``https://``, ``gs://``, ``hf://`` ...): timeouts, retries with
-backoff, and the count of retries.
+"""Opening shard urls, the bottom of ``mmpretrain.data``: local paths, ``file://``, ``pipe:COMMAND`` and
+remote fsspec urls (``s3://``, ``https://``, ``gs://``, ``hf://`` ...), with timeouts, retries with
+backoff, and the count of retries. Every other module of the package reads its bytes through here;
+this one imports none of them.
 
 At 1,000+ shards streamed for hours, transient network errors are certain. :func:`read_tar`
 (mmpretrain/data/tar.py) retries a remote shard that fails to open or breaks mid-read: it re-opens
@@ -22,7 +24,33 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from webdataset.gopen import gopen
+
 log = logging.getLogger(__name__)
+
+
+class MalformedTar(ValueError):
+    """Header fields that do not parse: the bytes are wrong, reading them again gives the same (never
+    retried)."""
+
+
+def is_local(path: str) -> bool:
+    return "://" not in path
+
+
+def shard_path(url: str) -> str:
+    """The path part a ``sizes.json`` (or a sidecar) is looked up beside: the url, the last word of a
+    ``pipe:`` command, without ``file://``."""
+    if url.startswith("pipe:"):
+        return url[5:].split()[-1]
+    return url.removeprefix("file://")
+
+
+def open_url(url: str) -> IO[bytes]:
+    """A binary stream for a shard url (local, file://, pipe:, or any fsspec url)."""
+    if url.startswith("pipe:") or is_local(url.removeprefix("file://")):
+        return gopen(url.removeprefix("file://"), "rb")
+    return open_remote(url)  # data.remote's timeouts and storage options
 
 
 @dataclass(frozen=True)
@@ -133,8 +161,6 @@ def retryable(e: BaseException) -> bool:
     """Transient: everything a network read raises (OSError, timeouts, the HTTP client's and botocore's
     errors, 5xx answers, a stream cut short); not malformed tar data, which is the same when re-read,
     a missing object, refused credentials or a missing filesystem package."""
-    from mmpretrain.data.tar import MalformedTar
-
     if not isinstance(e, Exception) or isinstance(e, (MalformedTar, PermissionError, ImportError)):
         return False
     return not (missing_object(e) or _refused(e))

@@ -1,5 +1,6 @@
 """Checkpoints: ``accelerator.save_state`` for model/optimizer/RNG plus a JSON train state and, for a
-stateful objective, its ``state_dict`` as safetensors; resume points, and the configs a resume refuses.
+stateful objective, its ``state_dict`` as safetensors; verifying them, choosing the one to resume from
+(rank 0 chooses, every rank checks), the configs a resume refuses, and restoring the state.
 
 Each checkpoint is written to ``checkpoints/step_{N:08d}.tmp`` and renamed when complete; the
 newest folder holding ``train_state.json`` is the latest complete one (:mod:`mmpretrain.run_files`),
@@ -12,21 +13,29 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 import zipfile
 from pathlib import Path
+from pickle import UnpicklingError  # the exception only: nothing here unpickles but torch.load(weights_only)
 from typing import Any
 
 import torch
+from accelerate import Accelerator
+from accelerate.utils import load
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from mmpretrain.config import ConfigError, config_defaults, flat_config
+from mmpretrain.config import ConfigError, ExperimentConfig, config_defaults, flat_config
+from mmpretrain.data.plan import StreamPlan
+from mmpretrain.data.stream import StreamPosition
 from mmpretrain.launch import engine_of
+from mmpretrain.losses import WeightedObjective
 from mmpretrain.run_files import MODEL_WEIGHTS, OBJECTIVE_STATE, TRAIN_STATE, RunFolder
+from mmpretrain.train.state import TrainState
 
-__all__ = ["Resume", "check_layout", "check_resume", "checkpoint_layout", "choose_resume", "load_objective_state",
-           "read_train_state", "save_checkpoint",
+__all__ = ["Resume", "build_position", "check_layout", "check_resume", "checkpoint_layout", "choose_resume",
+           "decide_resume", "load_objective_state", "read_train_state", "restore_state", "save_checkpoint",
            "verify_checkpoint"]
 
 
@@ -129,16 +138,29 @@ _RESUME_MAY_CHANGE = {"resume", "run_dir", "name", "train.steps", "train.epochs"
                       "hub"}
 
 
-def _zip_problem(path: Path) -> str | None:
-    """torch.save writes zip archives (optimizer, RNG states): a truncated or damaged one fails its CRCs."""
+def _zip_problem(path: Path, loads: bool = False) -> str | None:
+    """torch.save writes zip archives (optimizer, RNG states): a truncated or damaged one fails its CRCs.
+    ``loads``: the file is one accelerate's ``load_state`` reads with ``torch.load(weights_only=True)``;
+    its pickle is unpickled the same way (memory-mapped: the tensors' bytes are not read), so one that
+    holds other objects -- a foreign or tampered file -- is named here instead of failing the resume."""
     if not path.is_file():
         return "missing"
     try:
         with zipfile.ZipFile(path) as z:
             bad = z.testzip()
-        return f"damaged member {bad}" if bad else None
+        if bad:
+            return f"damaged member {bad}"
     except (zipfile.BadZipFile, OSError, EOFError) as e:
         return f"unreadable ({e})"
+    if loads:
+        try:
+            load(str(path), map_location="cpu", mmap=True)  # accelerate's loader: weights_only, its safe globals
+        except UnpicklingError:
+            return ("holds pickled objects other than tensors and plain values, refused for safety "
+                    "(torch.load weights_only): not written by this trainer, or altered since")
+        except (RuntimeError, OSError, EOFError, ValueError) as e:
+            return f"unreadable ({e.__class__.__name__}: {str(e)[:200]})"
+    return None
 
 
 def verify_checkpoint(ckpt: Path, world_size: int | None = None) -> tuple[list[str], list[str]]:
@@ -168,11 +190,11 @@ def verify_checkpoint(ckpt: Path, world_size: int | None = None) -> tuple[list[s
     if not any(p.name.startswith("optimizer") for p in (ckpt.iterdir() if ckpt.is_dir() else ())) and not any(
             p.name.endswith("optim_states.pt") for p in archives):
         problems.append("optimizer.bin: missing")
-    for p in archives:
-        if (why := _zip_problem(p)) is not None:
+    for p in archives:  # those at the top level accelerate loads itself (DeepSpeed reads its own folder)
+        if (why := _zip_problem(p, loads=p.parent == ckpt)) is not None:
             problems.append(f"{p.relative_to(ckpt)}: {why}")
     rng = [f"random_states_{r}.pkl: {why}" for r in range(world_size or 1)
-           if (why := _zip_problem(ckpt / f"random_states_{r}.pkl")) is not None]
+           if (why := _zip_problem(ckpt / f"random_states_{r}.pkl", loads=True)) is not None]
     return problems, rng
 
 
@@ -244,3 +266,75 @@ def check_resume(chosen: Resume, files: RunFolder, config: dict[str, Any]) -> tu
     if not chosen.exact:
         saved = dict(saved, exact_resume=False)
     return ckpt, saved
+
+
+def decide_resume(acc: Accelerator, cfg: ExperimentConfig, files: RunFolder) -> tuple[Any, dict[str, Any] | None]:
+    """Rank 0 picks the checkpoint to resume from (verifying it, skipping damaged ones) and every rank
+    takes its choice, so that all resume from the same step -- or all refuse with the same message.
+
+    A checkpoint inside the run folder travels as its name and each rank reads it from its own
+    ``run_dir`` (the same path on a shared filesystem; each node's copy where run folders are per
+    node). A rank that does not see it complete -- a node-local or lagging filesystem -- would resume
+    from another step, or fail inside ``load_state``: every rank refuses instead, naming the rank."""
+    choice: list[Any] = [None]
+    if acc.is_main_process:
+        try:
+            chosen = choose_resume(cfg.resume, files, acc.num_processes)
+            where = None
+            if chosen.ckpt is not None:
+                inside = chosen.ckpt.resolve().parent == files.checkpoints.resolve()
+                where = ("name", chosen.ckpt.name) if inside else ("path", str(chosen.ckpt))
+            choice = [(where, chosen.exact, chosen.notes, None)]
+        except ConfigError as e:
+            choice = [(None, True, [], str(e))]
+    if acc.num_processes > 1:
+        torch.distributed.broadcast_object_list(choice, src=0)
+    where, exact, notes, error = choice[0]
+    if error:
+        raise ConfigError(error)
+    path = None if where is None else files.checkpoints / where[1] if where[0] == "name" else Path(where[1])
+    if acc.num_processes > 1:
+        seen = [None] * acc.num_processes
+        torch.distributed.all_gather_object(seen, path is None or (path / TRAIN_STATE).is_file())
+        if not all(seen):
+            ranks = [r for r, ok in enumerate(seen) if not ok]
+            raise ConfigError(f"rank 0 resumes from {path}, which rank(s) {ranks} do not see (no {TRAIN_STATE} "
+                              "there): run_dir must be on a filesystem every node shares, with the same path "
+                              "(or copy the checkpoint to every node's run_dir, or give resume=PATH that all see)")
+    if acc.is_main_process:
+        for note in notes:
+            print(f"warning: {note}", file=sys.stderr)
+    chosen = Resume(path, read_train_state(path), exact, notes) if path else Resume()
+    return check_resume(chosen, files, cfg.model_dump(mode="json"))
+
+
+def build_position(plan: StreamPlan, saved: dict[str, Any] | None, rank: int, world_size: int, ckpt) -> StreamPosition:
+    """This rank's stream position: the start, or the checkpoint's (same ranks and plan, else refused)."""
+    position = StreamPosition(plan)
+    if saved is None:
+        return position
+    if len(saved["loader"]) != world_size:
+        raise ConfigError(f"{ckpt} was written by {len(saved['loader'])} process(es), this run has {world_size}: an "
+                          "exact resume needs the same number (or start anew with model.pretrained=CHECKPOINT)")
+    try:
+        position.load(saved["loader"][rank])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return position
+
+
+def restore_state(acc: Accelerator, objective: WeightedObjective, state: TrainState, files: RunFolder, ckpt,
+                  saved: dict[str, Any]) -> list[dict[str, Any]]:
+    """Weights, optimizer and RNG (accelerate's ``load_state``: safetensors and ``torch.load(weights_only)``),
+    the objective's state and the counters (the stream position is restored before the loader is
+    built: :func:`build_position`). Returns the log records up to the checkpoint: later ones belong
+    to the interrupted attempt."""
+    acc.load_state(str(ckpt))
+    if objective.state_dict():
+        load_objective_state(objective, ckpt)
+    state.step, state.samples = saved["step"], saved["samples"]
+    state.nonfinite_steps = saved.get("nonfinite_steps", 0)
+    state.exact = bool(saved.get("exact_resume", True))  # once inexact (an RNG state was lost), for good
+    if acc.is_main_process:  # the saved counts are sums over ranks
+        state.skipped.update(saved["skipped"])
+    return files.log_records(up_to_step=saved["step"])

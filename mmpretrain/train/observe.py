@@ -1,5 +1,5 @@
 """What the trainer reports: log records (terms averaged over ranks), geometry diagnostics of the
-gathered batch, evaluations during training, and the numeric view the trackers take."""
+gathered batch (measured by :mod:`mmpretrain.train.diagnostics`), evaluations during training."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ from accelerate.utils import gather_object
 
 from mmpretrain.eval import merge_results
 from mmpretrain.launch import engine_of
-from mmpretrain.metrics import GEOMETRY_ROWS, geometry, similarity_histogram
+from mmpretrain.train.diagnostics import GEOMETRY_ROWS, geometry, similarity_histogram
+from mmpretrain.train.state import Run
 
 
-def log_record(run: Any, terms: dict[str, torch.Tensor], loss: torch.Tensor, lr: float, since: float,
+def log_record(run: Run, terms: dict[str, torch.Tensor], loss: torch.Tensor, lr: float, since: float,
                steps: int, logit_scale: torch.Tensor | None = None) -> dict[str, Any]:
     """The record of the step just taken (``run.state.step``): every ``*_loss``/``*_unweighted`` term and
     the total, averaged over ranks; the objective's own diagnostics (``"regions/m5/q_entropy"``: keys
@@ -53,18 +54,7 @@ def all_ranks_skipped(accelerator, skipped: Counter) -> dict[str, int]:
     return dict(sorted(total.items()))
 
 
-def numeric(rec: dict[str, Any], prefix: str = "") -> dict[str, float]:
-    """Flat ``name -> number`` for tensorboard/wandb (nested dicts become ``a/b``)."""
-    out: dict[str, float] = {}
-    for k, v in rec.items():
-        if isinstance(v, dict):
-            out.update(numeric(v, f"{prefix}{k}/"))
-        elif isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
-            out[prefix + k] = float(v)
-    return out
-
-
-def diagnostics(run: Any, features: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
+def diagnostics(run: Run, features: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
     """Geometry of the global batch (every rank's features gathered; call on every rank)."""
     acc = run.accelerator
     # every rank's first rows, enough for the measures' GEOMETRY_ROWS (not the whole global batch)
@@ -103,7 +93,7 @@ def full_weights(accelerator, model: torch.nn.Module):
         yield inner
 
 
-def evaluate(run: Any) -> dict[str, Any]:
+def evaluate(run: Run) -> dict[str, Any]:
     """The configured evaluations on every rank; results.json gets them under model ``step_N``."""
     with full_weights(run.accelerator, run.model) as module:
         entries = run.evaluator.run(module.clip, run.preprocess, run.tokenizer, model_name=f"step_{run.state.step}")

@@ -1,0 +1,94 @@
+"""The engine a run trains under: accelerate's Accelerator for this machine and config (CPU or GPU,
+precision, trackers, torch.compile), what FSDP and DeepSpeed need set or refused before the model is
+prepared, and the dtype the batch's images take."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from accelerate import Accelerator
+
+from mmpretrain.config import ConfigError, ExperimentConfig
+from mmpretrain.launch import engine_of
+from mmpretrain.train.schedule import Schedule
+
+
+def on_cpu() -> bool:
+    """Whether accelerate is to run on the CPU (no GPU here). tests/scripts/gpu_engine_on_cpu.py
+    replaces it to drive accelerate's FSDP and DeepSpeed paths on CPU gloo ranks."""
+    return not torch.cuda.is_available()
+
+
+def make_accelerator(cfg: ExperimentConfig) -> Accelerator:
+    cpu = on_cpu()
+    if cfg.train.precision == "fp16" and cpu:  # accelerate's loss scaling needs one
+        raise ConfigError("train.precision=fp16 needs a GPU; on a CPU use train.precision=bf16 (autocast) or no")
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION")  # the accelerate config's mixed_precision
+    wanted = "no" if cfg.train.precision == "fp32" else cfg.train.precision
+    if launched and launched != wanted and os.environ.get("RANK", "0") == "0":
+        print(f"note: train.precision={cfg.train.precision} decides the precision; the accelerate config's "
+              f"mixed_precision={launched} is not used (set train.precision={launched} for it)", file=sys.stderr)
+    engine = engine_requested()
+    if engine and cpu:  # with cpu=True accelerate would silently train without the engine
+        raise ConfigError(f"the accelerate config asks for {engine}, which needs GPUs; this machine has none. "
+                          "Launch with configs/accelerate/cpu-2proc.yaml (gloo data parallelism) on a CPU")
+    if not cpu:  # open_clip_train's GPU defaults: TF32 matmuls and convolutions, cuDNN autotuning
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+    dynamo = None
+    if cfg.train.compile:
+        from accelerate.utils import TorchDynamoPlugin
+
+        dynamo = TorchDynamoPlugin(backend="inductor")
+    try:
+        return Accelerator(cpu=cpu, mixed_precision=cfg.train.precision, dynamo_plugin=dynamo,
+                           log_with=list(cfg.train.log_with) or None, project_dir=str(cfg.resolved_run_dir))
+    except (ValueError, ImportError) as e:
+        if cfg.train.log_with and any(t in str(e).lower() for t in (*cfg.train.log_with, "tracker")):
+            raise ConfigError(f"train.log_with={cfg.train.log_with}: {e} (pip install the tracker, or drop it)") from None
+        raise ConfigError(f"accelerate cannot start this run (train.precision={cfg.train.precision}): {e}") from None
+
+
+def configure_engine(cfg: ExperimentConfig, acc: Accelerator, schedule: Schedule) -> None:
+    """What FSDP and DeepSpeed need from this config, set or refused before the model is prepared.
+
+    DeepSpeed: accelerate fills ``train_micro_batch_size_per_gpu: auto`` from a prepared DataLoader,
+    which this trainer does not use (its stream is its own), so the batch sizes are set from
+    ``data.batch_size``; the engine clips gradients itself, so its ``gradient_clipping`` is set from
+    ``optim.grad_clip_norm`` (a config file's value would silently win otherwise); its ``backward``
+    also steps the optimizer, so micro-batches (several backwards per step) and engine-side gradient
+    accumulation are refused."""
+    if engine_of(acc.distributed_type) != "DEEPSPEED":
+        return
+    if cfg.train.micro_batch_size:
+        raise ConfigError(f"train.micro_batch_size={cfg.train.micro_batch_size} under DeepSpeed: its backward steps "
+                          "the optimizer, so gradient caching or accumulation would take one optimizer step per "
+                          "micro-batch. Remove train.micro_batch_size, or launch with configs/accelerate/fsdp.yaml "
+                          "or 8gpu.yaml (DDP), where micro-batches are exact")
+    ds = acc.state.deepspeed_plugin.deepspeed_config
+    if ds.get("gradient_accumulation_steps", 1) not in (1, "auto"):
+        raise ConfigError(f"the DeepSpeed config sets gradient_accumulation_steps={ds['gradient_accumulation_steps']}: "
+                          "this trainer takes one optimizer step per batch; set it to 1 (a bigger batch: "
+                          "data.batch_size, or train.micro_batch_size under DDP/FSDP)")
+    ds.update(train_micro_batch_size_per_gpu=cfg.data.batch_size, gradient_accumulation_steps=1,
+              train_batch_size=schedule.global_batch_size,
+              gradient_clipping=cfg.optim.grad_clip_norm or 0.0)
+
+
+def input_dtype(acc: Accelerator) -> torch.dtype | None:
+    """The dtype the batch's images must have: DeepSpeed under bf16/fp16 holds the weights in it and
+    runs without autocast; every other engine takes fp32 images (autocast casts)."""
+    if engine_of(acc.distributed_type) == "DEEPSPEED" and acc.mixed_precision in ("bf16", "fp16"):
+        return torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float16
+    return None
+
+
+def engine_requested() -> str | None:
+    """``FSDP`` or ``DeepSpeed`` when ``accelerate launch`` was given such a config (its environment)."""
+    for var, name in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
+        if os.environ.get(var, "false").lower() == "true":
+            return name
+    return None
