@@ -226,7 +226,8 @@ def build(source: str, out: str | Path, *, image_size: int, shard_size: int, lim
     """Build ``out`` from ``source``. Demo sources write ``out/train`` and ``out/test``; other sources
     write one dataset folder ``out``. Re-running an interrupted build of the same source resumes it."""
     from data_tools.parallel import build_parallel
-    from data_tools.sources.files import SourceError, open_source
+    from data_tools.sources.files import open_source
+    from data_tools.sources.records import SourceError
 
     out = Path(out)
     check_source_and_out(source, out)

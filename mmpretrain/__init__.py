@@ -13,6 +13,6 @@ def load(path: str, device: str = "cpu"):
     ``model`` is an open_clip model (``encode_image``/``encode_text``), ``preprocess`` the eval
     image transform, ``tokenizer`` the matching open_clip tokenizer.
     """
-    from mmpretrain.models.factory import load_model
+    from mmpretrain.models.load import load_model
 
     return load_model(path, device=device)

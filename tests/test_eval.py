@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mmpretrain.eval import TASKS, evaluate
-from mmpretrain.models.factory import load_model
+from mmpretrain.models.load import load_model
 
 from clip_benchmark_anchor import clip_benchmark_eval
 from ddp_helpers import run_ranks

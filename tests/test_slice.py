@@ -236,9 +236,9 @@ def test_shipped_cpu_configs_run_steps(openmoji, tmp_path):
 
 
 def test_export_licence_comes_from_the_training_data():
-    from mmpretrain.export import _license
+    from mmpretrain.export.card import license_for
 
-    assert _license([]) == _license([{"license": None}]) == "apache-2.0"  # none recorded: the code's
-    assert _license([{"license": "CC BY-SA 4.0"}, {"license": "CC BY-SA 4.0"}]) == "cc-by-sa-4.0"
-    assert _license([{"license": "CC BY-SA 4.0"}, {"license": "CC BY 4.0"}]) == "other"  # the card lists both
-    assert _license([{"license": "custom terms"}]) == "other"
+    assert license_for([]) == license_for([{"license": None}]) == "apache-2.0"  # none recorded: the code's
+    assert license_for([{"license": "CC BY-SA 4.0"}, {"license": "CC BY-SA 4.0"}]) == "cc-by-sa-4.0"
+    assert license_for([{"license": "CC BY-SA 4.0"}, {"license": "CC BY 4.0"}]) == "other"  # the card lists both
+    assert license_for([{"license": "custom terms"}]) == "other"

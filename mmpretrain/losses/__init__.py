@@ -21,20 +21,13 @@ from mmpretrain.losses.clip import ClipLoss
 from mmpretrain.losses.cwcl import CwclLoss
 from mmpretrain.losses.global_clip import GlobalClipLoss
 from mmpretrain.losses.regions import RegionLoss
+from mmpretrain.losses.registry import OBJECTIVES
 from mmpretrain.losses.sigmoid import SigmoidLoss
 from mmpretrain.losses.soft_target import SoftTargetLoss
 from mmpretrain.losses.vrn import VrnLoss
 
-LOSSES: dict[str, type[Objective]] = {
-    "clip": ClipLoss,
-    "sigmoid": SigmoidLoss,
-    "soft_target": SoftTargetLoss,
-    "cwcl": CwclLoss,
-    "vrn": VrnLoss,
-    "align_uniform": AlignUniformLoss,
-    "regions": RegionLoss,
-    "global_clip": GlobalClipLoss,
-}
+# every objective by its config name: the registry's, and the wrapper around any one of them
+LOSSES: dict[str, type[Objective]] = {**OBJECTIVES, "regions": RegionLoss}
 
 
 def _any_term(flag: str, default: bool = False) -> property:

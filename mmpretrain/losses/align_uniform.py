@@ -28,15 +28,13 @@ def uniformity(x: torch.Tensor, t: float = 2.0) -> torch.Tensor:
 
 
 class AlignUniformLoss(Objective):
+
+    name = "align_uniform"
     uses_logit_scale = False
 
     def __init__(self, *, t: float = 2.0, rank: int = 0, world_size: int = 1, chunk_size: int | None = None):
-        super().__init__()
-        if chunk_size is not None:
-            raise ValueError("align_uniform is not tiled; leave chunk_size unset")
+        super().__init__(rank=rank, world_size=world_size, chunk_size=chunk_size)
         self.t = t
-        self.rank = rank
-        self.world_size = world_size
 
     def forward(self, *, image_features: torch.Tensor, text_features: torch.Tensor, **extra) -> dict[str, torch.Tensor]:
         x, y = image_features, text_features

@@ -36,6 +36,12 @@ from torch import nn
 
 
 class Objective(nn.Module):
+    """Subclasses call ``super().__init__(rank=..., world_size=..., chunk_size=...)``: the options every
+    constructor accepts, checked here once. ``tiled``: whether the objective offers ``chunk_size``
+    (``chunk x chunk`` tiles recomputed in backward); ``name``: its registry name, for messages."""
+
+    name: str = "objective"
+    tiled: bool = False
     init_logit_scale: float = math.log(1 / 0.07)
     init_logit_bias: float | None = None
     needs_targets: bool = False
@@ -46,6 +52,16 @@ class Objective(nn.Module):
     whole_batch: bool = False
     uses_logit_scale: bool = True
     uses_logit_bias: bool = False
+
+    def __init__(self, *, rank: int = 0, world_size: int = 1, chunk_size: int | None = None):
+        super().__init__()
+        if not (isinstance(world_size, int) and isinstance(rank, int) and 0 <= rank < world_size):
+            raise ValueError(f"{self.name}: rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
+        if chunk_size is not None and not self.tiled:
+            raise ValueError(f"{self.name} is not tiled; leave chunk_size unset (clip, sigmoid, soft_target tile)")
+        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
+            raise ValueError(f"{self.name}: chunk_size must be a positive number of rows/columns per tile")
+        self.rank, self.world_size, self.chunk_size = rank, world_size, chunk_size
 
     def commit_step(self) -> None:
         """Apply the state update the last forward proposed (the step was accepted)."""

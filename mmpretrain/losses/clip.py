@@ -28,6 +28,9 @@ class ClipLoss(Objective):
     ``B x B`` logits are ever held (the global form gets both directions from one pass).
     """
 
+    name = "clip"
+    tiled = True
+
 
     def __init__(
         self,
@@ -38,19 +41,14 @@ class ClipLoss(Objective):
         world_size: int = 1,
         chunk_size: int | None = None,
     ):
-        super().__init__()
+        super().__init__(rank=rank, world_size=world_size, chunk_size=chunk_size)
         if local_loss and not gather_with_grad:
             raise ValueError(
                 "local_loss=true needs gather_with_grad=true: without it the gradient of other ranks' "
                 "columns is lost (open_clip #616); set gather_with_grad=true"
             )
-        if chunk_size is not None and chunk_size <= 0:
-            raise ValueError("chunk_size must be a positive number of rows/columns per tile")
         self.local_loss = local_loss
         self.gather_with_grad = gather_with_grad
-        self.rank = rank
-        self.world_size = world_size
-        self.chunk_size = chunk_size
 
     def forward(
         self,

@@ -19,14 +19,12 @@ from mmpretrain.losses.distributed import gather_no_grad, gather_with_grad
 
 
 class CwclLoss(Objective):
+
+    name = "cwcl"
     needs_targets = True
 
     def __init__(self, *, rank: int = 0, world_size: int = 1, chunk_size: int | None = None):
-        super().__init__()
-        if chunk_size is not None:
-            raise ValueError("cwcl is not tiled; leave chunk_size unset (clip, sigmoid, soft_target tile)")
-        self.rank = rank
-        self.world_size = world_size
+        super().__init__(rank=rank, world_size=world_size, chunk_size=chunk_size)
 
     def forward(self, *, image_features: torch.Tensor, text_features: torch.Tensor,
                 logit_scale: torch.Tensor | float, logit_bias=None, target_embeddings: torch.Tensor | None = None,

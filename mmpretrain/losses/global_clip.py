@@ -67,6 +67,8 @@ class GlobalClipLoss(Objective):
     (FastCLIP-v3's ρ), ``temperature`` (the initial τ = 1/s; the fixed one with ``fixed``);
     ``index_size`` (the table length: the dataset's sample count, given by the trainer)."""
 
+    name = "global_clip"
+
     needs_sample_index = True
     needs_index_size = True
     whole_batch = True  # the estimates are per whole-batch row: micro-batch accumulation is refused
@@ -74,7 +76,7 @@ class GlobalClipLoss(Objective):
     def __init__(self, *, index_size: int | None = None, gamma: float = 0.8, gamma_schedule: str = "cosine",
                  gamma_decay_epochs: int = 10, temperature_scheme: str = "global", rho: float = 8.0,
                  temperature: float = 0.07, rank: int = 0, world_size: int = 1, chunk_size: int | None = None):
-        super().__init__()
+        super().__init__(rank=rank, world_size=world_size, chunk_size=chunk_size)
         if index_size is None or int(index_size) < 2:
             raise ValueError("global_clip: index_size (the dataset's sample count) must be at least 2; the "
                              "trainer sets it from the training data's sizes.json")
@@ -89,14 +91,10 @@ class GlobalClipLoss(Objective):
                              "(per-sample temperatures are not offered, see methods.md)")
         if not temperature > 0:
             raise ValueError(f"global_clip: temperature={temperature} must be positive")
-        if chunk_size is not None:
-            raise ValueError("global_clip: chunk_size (tiling) is not supported yet; it computes the B x B "
-                             "similarities once in fp32 (remove chunk_size from its options)")
         self.gamma, self.gamma_schedule, self.gamma_decay_epochs = float(gamma), gamma_schedule, int(gamma_decay_epochs)
         self.scheme, self.rho = temperature_scheme, float(rho)
         self.init_logit_scale = math.log(1 / temperature)
         self.uses_logit_scale = temperature_scheme == "global"
-        self.rank, self.world_size = rank, world_size
         # log u per sample; NaN = never seen
         self.register_buffer("log_u_image", torch.full((int(index_size),), float("nan")))
         self.register_buffer("log_u_text", torch.full((int(index_size),), float("nan")))

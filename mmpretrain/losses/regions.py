@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from mmpretrain.losses.base import Objective
 from mmpretrain.losses.clusters import kmeans, match, nearest
 from mmpretrain.losses.distributed import gather_no_grad, gather_with_grad
+from mmpretrain.losses.registry import OBJECTIVES
 
 # The masked pass costs O(S * N^2) elementwise work in a few kernels, the per-region calls
 # O(N^2 * sum_s 1/m_s) in ~sum_s m_s small calls. On a GPU the few kernels win at any batch; on this
@@ -96,6 +97,8 @@ class RegionLoss(Objective):
     far), ``epoch`` (counted from 1; default 1), ``labels (B,)`` (ints, ``-1`` = unknown; only for
     the purity diagnostic).
     """
+
+    name = "regions"
 
     needs_labels = True  # the purity diagnostic
     whole_batch = True  # regions and Hedge weights are of the whole (gathered) batch
@@ -135,11 +138,9 @@ class RegionLoss(Objective):
         world_size: int = 1,
         chunk_size: int | None = None,
     ):
-        super().__init__()
-        from mmpretrain.losses import LOSSES  # the registry imports this module: resolved at construction
-
-        if base == "regions" or base not in LOSSES:
-            raise ValueError(f"regions: base={base!r}; choose one of {sorted(set(LOSSES) - {'regions'})}")
+        super().__init__(rank=rank, world_size=world_size)  # chunk_size: the base's (checked by it)
+        if base not in OBJECTIVES:
+            raise ValueError(f"regions: base={base!r}; choose one of {sorted(OBJECTIVES)}")
         scales = [int(m) for m in scales]
         if not scales or min(scales) < 1:
             raise ValueError(f"regions: scales={scales} must be a non-empty list of region counts >= 1")
@@ -154,16 +155,15 @@ class RegionLoss(Objective):
             raise ValueError(f"regions: queue_size needs base=clip (the queue adds InfoNCE negatives), got base={base!r}")
         base_options = dict(base_options or {})
         self.base = base
-        self.global_term = LOSSES[base](rank=rank, world_size=world_size, chunk_size=chunk_size, **base_options)
+        self.global_term = OBJECTIVES[base](rank=rank, world_size=world_size, chunk_size=chunk_size, **base_options)
         local_options = {k: v for k, v in base_options.items() if k not in ("local_loss", "gather_with_grad")}
-        self.local_term = LOSSES[base](rank=0, world_size=1, chunk_size=chunk_size, **local_options)
+        self.local_term = OBJECTIVES[base](rank=0, world_size=1, chunk_size=chunk_size, **local_options)
         self.init_logit_scale = self.global_term.init_logit_scale
         self.init_logit_bias = self.global_term.init_logit_bias
         self.scales, self.space = scales, space
         self.bank_size, self.refresh_every, self.kmeans_iters = bank_size, refresh_every, kmeans_iters
         self.eta0, self.warmup_steps, self.warmup_epochs = eta0, warmup_steps, warmup_epochs
         self.queue_size, self.seed = queue_size, seed
-        self.rank, self.world_size = rank, world_size
         self.min_bank = min(bank_size, 10 * max(scales))
         # clip without a queue or tiles: every region of a scale from one masked B x B pass (equal to the
         # per-region calls, tested) instead of one call per region; see MASKED_CPU_MAX

@@ -25,19 +25,17 @@ from mmpretrain.losses.tiled import softplus_sum
 
 
 class SigmoidLoss(Objective):
+
+    name = "sigmoid"
+    tiled = True
     uses_logit_bias = True
     init_logit_scale = math.log(10)
     init_logit_bias = -10.0
 
     def __init__(self, *, within_view_negatives: bool = False, rank: int = 0, world_size: int = 1,
                  chunk_size: int | None = None):
-        super().__init__()
-        if chunk_size is not None and chunk_size <= 0:
-            raise ValueError("chunk_size must be a positive number of rows/columns per tile")
+        super().__init__(rank=rank, world_size=world_size, chunk_size=chunk_size)
         self.within_view_negatives = within_view_negatives
-        self.rank = rank
-        self.world_size = world_size
-        self.chunk_size = chunk_size
 
     def _sum(self, a, b, scale, bias, offset=None):
         """``sum_ij softplus(l_ij)``, minus the positives' logits ``l_{i,i+offset}`` when given."""

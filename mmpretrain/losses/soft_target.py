@@ -42,6 +42,9 @@ def soft_targets(local_t: torch.Tensor, all_t: torch.Tensor, tau: float, mask_of
 
 
 class SoftTargetLoss(Objective):
+
+    name = "soft_target"
+    tiled = True
     needs_targets = True
 
     def __init__(
@@ -54,19 +57,14 @@ class SoftTargetLoss(Objective):
         world_size: int = 1,
         chunk_size: int | None = None,
     ):
-        super().__init__()
+        super().__init__(rank=rank, world_size=world_size, chunk_size=chunk_size)
         if target_temperature <= 0 or temperature <= 0:
             raise ValueError("target_temperature and temperature must be > 0")
         if space not in ("image_text", "image_image"):
             raise ValueError(f"space must be 'image_text' or 'image_image', got {space!r}")
-        if chunk_size is not None and chunk_size <= 0:
-            raise ValueError("chunk_size must be a positive number of rows/columns per tile")
-        self.chunk_size = chunk_size
         self.target_temperature = target_temperature
         self.space = space
         self.temperature = temperature
-        self.rank = rank
-        self.world_size = world_size
 
     def forward(
         self,

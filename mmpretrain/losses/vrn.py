@@ -18,21 +18,19 @@ from mmpretrain.losses.distributed import gather_with_grad
 
 
 class VrnLoss(Objective):
+
+    name = "vrn"
     uses_logit_scale = False
     needs_dataset_size = True
 
     def __init__(self, *, delta: float | None = None, dataset_size: int | None = None, rank: int = 0,
                  world_size: int = 1, chunk_size: int | None = None):
-        super().__init__()
-        if chunk_size is not None:
-            raise ValueError("vrn is not tiled; leave chunk_size unset")
+        super().__init__(rank=rank, world_size=world_size, chunk_size=chunk_size)
         if delta is None and dataset_size is not None:
             if dataset_size < 2:
                 raise ValueError("dataset_size must be at least 2")
             delta = -1.0 / (dataset_size - 1)
         self.delta = delta
-        self.rank = rank
-        self.world_size = world_size
 
     def forward(self, *, image_features: torch.Tensor, text_features: torch.Tensor, **extra) -> dict[str, torch.Tensor]:
         if self.delta is None:

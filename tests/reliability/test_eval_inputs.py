@@ -103,10 +103,10 @@ def test_broken_eval_data_is_one_clear_line(openmoji, tmp_path, capsys, change, 
 
 
 def test_output_that_is_not_a_results_file_is_refused_before_evaluating(openmoji, tmp_path, capsys, monkeypatch):
-    import mmpretrain.models.factory as factory
+    import mmpretrain.models.load as loading
     from mmpretrain.eval.__main__ import main
 
-    monkeypatch.setattr(factory, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     notes = tmp_path / "notes.txt"
     notes.write_text("my notes")
     other = tmp_path / "other.json"

@@ -1,0 +1,5 @@
+import sys
+
+from mmpretrain.export import main
+
+sys.exit(main())
