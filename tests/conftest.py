@@ -158,30 +158,43 @@ def launch(run_dir: Path, data: Path, *overrides: str, accelerate: str = "cpu-2p
 # the 2-rank evaluation reads
 DDP_RUN = ["train.steps=6", "train.epochs=null", "data.batch_size=16", "data.num_workers=1", "data.shuffle_buffer=32",
            "optim.warmup_steps=1", "train.log_every=1", "train.save_every=3"]
-
-
-@pytest.fixture(scope="session")
-def ddp_run(openmoji, tmp_path_factory) -> Path:
-    """The demo config trained 6 steps by 2 CPU ranks under ``accelerate launch`` (DDP); tests read it."""
-    run_dir = tmp_path_factory.mktemp("ddp") / "run"
-    r = launch(run_dir, openmoji / "train", *DDP_RUN)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return run_dir
+# the evaluation of that run under the same launcher (and, in test_slice.py, in one process)
+DDP_EVAL = ["--dataset", "{data}", "{data}", "--task", "zeroshot_classification", "clustering", "--batch_size", "8",
+            "--num_workers", "1"]
 
 
 @pytest.fixture(scope="session")
 def ddp_checks(openmoji, tmp_path_factory) -> dict:
-    """tests/scripts/ddp_checks.py's report: every check under one ``accelerate launch`` of 2 CPU processes
-    (each launch costs ~15 s of process start-up and imports on 2 cores)."""
+    """One ``accelerate launch`` of 2 CPU processes (each launch costs ~15 s of process start-up and
+    imports on 2 cores) running tests/scripts/ddp_checks.py's plan: ``python -m mmpretrain.train``'s
+    main on the demo config for 6 steps (:data:`DDP_RUN`, into ``run_dir``), ``python -m
+    mmpretrain.eval``'s main on that run (:data:`DDP_EVAL`, into ``eval_output``; the launch's printed
+    tables in ``stdout``), then the DDP checks. Returns the script's report with those three keys."""
     import json
 
     out = tmp_path_factory.mktemp("ddp_checks")
+    run_dir = out / "run"
+    plan = {"train": ["--config", str(CONFIG), f"data.train={openmoji / 'train'}", f"run_dir={run_dir}",
+                      "train.progress=false", "train.log_with=[]", *DDP_RUN],
+            "eval": ["--model", str(run_dir), *(a.format(data=openmoji) for a in DDP_EVAL), "--output",
+                     str(out / "eval.json")],
+            "checks": ["unused", "masks", "steps"], "data": str(openmoji / "train"), "runs": str(out / "runs"),
+            "report": str(out / "report.json")}
+    (out / "plan.json").write_text(json.dumps(plan))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "configs/accelerate/cpu-2proc.yaml"), str(ROOT / "tests/scripts/ddp_checks.py"),
-           str(openmoji / "train"), str(out / "runs"), str(out / "report.json"), "unused,masks,steps"]
+           str(out / "plan.json")]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads((out / "report.json").read_text())
+    report = json.loads((out / "report.json").read_text())
+    assert report.get("train_exit") == 0 and report.get("eval_exit") == 0, (report, r.stderr[-4000:])
+    return {**report, "run_dir": run_dir, "eval_output": out / "eval.json", "stdout": r.stdout}
+
+
+@pytest.fixture(scope="session")
+def ddp_run(ddp_checks) -> Path:
+    """The demo config trained 6 steps by 2 CPU ranks under ``accelerate launch`` (DDP); tests read it."""
+    return ddp_checks["run_dir"]
 
 
 @pytest.fixture(scope="session")

@@ -187,25 +187,22 @@ def test_slice_trainable_open_clip_text_tower(openmoji, tmp_path):
         torch.testing.assert_close(hf.logit_scale, model.logit_scale)
 
 
-def test_slice_two_cpu_ranks_under_accelerate(openmoji, ddp_run, tmp_path):
-    """A run trained by 2 processes under accelerate launch (the ``ddp_run`` fixture), then evaluated
-    under the same launcher: split across the 2 processes, written once, equal to one process."""
-    import subprocess
-    import sys
+def test_slice_two_cpu_ranks_under_accelerate(openmoji, ddp_checks, tmp_path):
+    """A run trained by 2 processes under accelerate launch, then evaluated under the same launcher (both
+    in the ``ddp_checks`` fixture's launch): split across the 2 processes, written once, equal to one
+    process."""
+    from conftest import DDP_EVAL
 
-    cfg = (ddp_run / "config.yaml").read_text()
+    run_dir = ddp_checks["run_dir"]
+    cfg = (run_dir / "config.yaml").read_text()
     assert "world_size: 2" in cfg and "global_batch_size: 32" in cfg
-    out1, out2 = tmp_path / "one.json", tmp_path / "two.json"
-    args = ["--model", str(ddp_run), "--dataset", str(openmoji), str(openmoji), "--task", "zeroshot_classification",
-            "clustering", "--batch_size", "8", "--num_workers", "1"]
-    r = run_main("mmpretrain.eval", *args, "--output", str(out1))
+    out1 = tmp_path / "one.json"
+    r = run_main("mmpretrain.eval", "--model", str(run_dir), *(a.format(data=openmoji) for a in DDP_EVAL),
+                 "--output", str(out1))
     assert r.returncode == 0, r.stderr[-3000:]
-    r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                        str(ROOT / "configs/accelerate/cpu-2proc.yaml"), "-m", "mmpretrain.eval", *args, "--output",
-                        str(out2)], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("zeroshot_classification") >= 1 and r.stdout.count("x chance") == 1  # one table
-    one, two = (json.loads(p.read_text())["results"] for p in (out1, out2))
+    printed = ddp_checks["stdout"]
+    assert printed.count("zeroshot_classification") >= 1 and printed.count("x chance") == 1  # one table
+    one, two = (json.loads(p.read_text())["results"] for p in (out1, ddp_checks["eval_output"]))
     assert [e["n"] for e in one] == [e["n"] for e in two]
     for a, b in zip(one, two):
         assert b["metrics"] == pytest.approx(a["metrics"], rel=1e-4, abs=1e-5)  # float32 features, other batches

@@ -22,14 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from safetensors.torch import save_file
-from transformers import AutoTokenizer
-
 from mmpretrain.export.card import model_card
-from mmpretrain.export.hf import Unsupported, save_transformers
-from mmpretrain.hub import push_folder
-from mmpretrain.models.load import load_run_clip
 from mmpretrain.run_files import RunFolder
+
+# open_clip, transformers and the Hub client are imported where the export uses them (~7 s on 2 cores):
+# `--help` and the refusals of a bad --out answer at once
 
 COPIED = ("config.yaml", "provenance.json", "results.json")
 
@@ -92,6 +89,8 @@ def export(run_dir: str | Path, out: str | Path, *, fmt: str = "open_clip", towe
     if files.latest_checkpoint() is None:
         raise ExportError(f"{run_dir} has no complete checkpoint (checkpoints/step_*/train_state.json)")
     previous = check_out(files.root, out, overwrite)
+    from mmpretrain.models.load import load_run_clip
+
     clip, model_cfg, preprocess_cfg = load_run_clip(files.root)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))  # ours alone to delete
@@ -105,6 +104,11 @@ def export(run_dir: str | Path, out: str | Path, *, fmt: str = "open_clip", towe
 
 def _write_export(files: RunFolder, tmp: Path, clip, model_cfg: dict, preprocess_cfg: dict, fmt: str, towers: str,
                   repo_id: str | None) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from mmpretrain.export.hf import Unsupported, save_transformers
+
     if fmt == "transformers":
         try:
             save_transformers(clip, model_cfg, preprocess_cfg, tmp, towers)
@@ -155,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print(f"dry run: would upload {len(files)} files to {args.push_to_hub}")
         else:
+            from mmpretrain.hub import push_folder
+
             pushed = push_folder(out, args.push_to_hub, private=args.private, revision=args.revision,
                                  allow_patterns=[str(f.relative_to(out)) for f in files])  # the export, nothing else
             print(f"pushed: {pushed}")

@@ -1,15 +1,23 @@
-"""Run under ``accelerate launch`` with 2 CPU processes (DDP over gloo) by the session fixture
-``ddp_checks`` (tests/conftest.py), once for every test that reads its report (tests/test_ddp.py,
-tests/test_train.py), on the real shards given as argv[1]; argv[4] picks the checks, comma-separated
-(``unused``, ``masks``, ``steps``); the main process writes a JSON report to argv[3].
+"""The data-parallel checks, under one ``accelerate launch`` of 2 CPU processes (DDP over gloo): run by
+the session fixture ``ddp_checks`` (tests/conftest.py) for every test that reads its report
+(tests/test_ddp.py, test_train.py, test_slice.py, test_engines.py): each launch costs ~15 s of process
+start-up and imports on 2 cores. argv[1]: a JSON plan, in the order run:
 
-- ``unused``, ``unused_<case>``: an objective that leaves a model parameter unused -- vrn alone and align_uniform
-  alone (no logit scale), clip on an architecture that owns a logit bias -- trains 3 steps (DDP stops
-  at step 2 when a parameter it registered gets no gradient).
-- ``masks``, ``masks_differ``: with patch dropout, the same images on both ranks draw different masks right
-  after setup (each rank its own seed), while the initial weights are the same on both.
-- ``steps``: tests/scripts/step_equivalence.py's float64 steps with the global batch split over the 2
-  ranks (its ``default`` set), under ``steps`` in the report.
+- ``train``: ``python -m mmpretrain.train``'s arguments, run through its ``main`` on both ranks (as
+  ``accelerate launch -m mmpretrain.train`` would); its exit status under ``train_exit``.
+- ``eval``: ``python -m mmpretrain.eval``'s arguments, run the same way (the rank split, one table
+  printed and one results file written by the main process); ``eval_exit``.
+- ``checks``, on the real shards ``data``:
+  - ``unused`` (``unused_<case>``): an objective that leaves a model parameter unused -- vrn alone and
+    align_uniform alone (no logit scale), clip on an architecture that owns a logit bias -- trains 3
+    steps (DDP stops at step 2 when a parameter it registered gets no gradient);
+  - ``masks`` (``same_initial_weights``, ``masks_differ``): with patch dropout, the same images on both
+    ranks draw different masks right after setup (each rank its own seed), while the initial weights
+    are the same on both;
+  - ``steps``: tests/scripts/step_equivalence.py's float64 steps with the global batch split over the 2
+    ranks (its ``default`` set).
+
+The main process writes the report (JSON) to the plan's ``report``.
 """
 
 from __future__ import annotations
@@ -35,39 +43,68 @@ def config(data: str, run_dir: Path, *extra: str):
         "train.progress=false", "train.log_with=[]", *extra])
 
 
-def main(data: str, out_dir: str, report_path: str, checks: str) -> None:
-    from accelerate import PartialState
-
+def unused(data: str, out_dir: Path, report: dict) -> bool:
     from mmpretrain.train import fit, setup
 
-    report, wanted = {}, checks.split(",")
-    for name, extra in CASES.items() if "unused" in wanted else ():
-        run = setup(config(data, Path(out_dir) / name, *extra))
+    for name, extra in CASES.items():
+        run = setup(config(data, out_dir / name, *extra))
         try:
             fit(run)
             report[f"unused_{name}"] = "ok"
         except RuntimeError as e:  # DDP's unused-parameter error: the next collective would hang, stop here
             report[f"unused_{name}"] = str(e).splitlines()[0][:300]
-            wanted = []
-            break
-    if "masks" in wanted:
-        run = setup(config(data, Path(out_dir) / "masks", "model.overrides={vision_cfg: {patch_dropout: 0.5}}"))
-        clip = run.accelerator.unwrap_model(run.model).clip
-        weights = float(sum(p.detach().double().sum() for p in clip.visual.parameters()))
-        images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-        clip.train()
-        with torch.no_grad():
-            feats = clip.encode_image(images)
-        w_all, f_all = gather_object([weights]), gather_object([feats])
-        report["same_initial_weights"] = w_all[0] == w_all[1]
-        report["masks_differ"] = not torch.equal(f_all[0], f_all[1])
-    if "steps" in wanted:
+            return False
+    return True
+
+
+def masks(data: str, out_dir: Path, report: dict) -> None:
+    from mmpretrain.train import setup
+
+    run = setup(config(data, out_dir / "masks", "model.overrides={vision_cfg: {patch_dropout: 0.5}}"))
+    clip = run.accelerator.unwrap_model(run.model).clip
+    weights = float(sum(p.detach().double().sum() for p in clip.visual.parameters()))
+    images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    clip.train()
+    with torch.no_grad():
+        feats = clip.encode_image(images)
+    w_all, f_all = gather_object([weights]), gather_object([feats])
+    report["same_initial_weights"] = w_all[0] == w_all[1]
+    report["masks_differ"] = not torch.equal(f_all[0], f_all[1])
+
+
+def main(plan_path: str) -> None:
+    from accelerate import PartialState
+
+    plan = json.loads(Path(plan_path).read_text())
+    report: dict = {}
+    ok = True
+    # the CLI's end_training destroys the process group, as a launched process ends; here more work
+    # follows in the same processes, so the group is kept until the end of this script (re-creating
+    # it on the launcher's port hung about one run in two)
+    destroy, PartialState.destroy_process_group = PartialState.destroy_process_group, lambda self, group=None: None
+    if plan.get("train"):
+        from mmpretrain.train.cli import main as train
+
+        report["train_exit"] = train(plan["train"])
+        ok = report["train_exit"] == 0
+    if ok and plan.get("eval"):
+        from mmpretrain.eval.__main__ import main as evaluate
+
+        report["eval_exit"] = evaluate(plan["eval"])
+        ok = report["eval_exit"] == 0
+    checks, data, out_dir = plan.get("checks", []), plan.get("data"), Path(plan.get("runs", "."))
+    if ok and "unused" in checks:
+        ok = unused(data, out_dir, report)
+    if ok and "masks" in checks:
+        masks(data, out_dir, report)
+    if ok and "steps" in checks:
         from step_equivalence import main as steps  # this script's folder is on sys.path
 
         report["steps"] = steps(None, "default")
     if PartialState().is_main_process:
-        Path(report_path).write_text(json.dumps(report))
+        Path(plan["report"]).write_text(json.dumps(report))
+    destroy(PartialState())
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(sys.argv[1])
