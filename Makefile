@@ -60,15 +60,15 @@ $(IMG2DATASET)/.installed:
 
 img2dataset: $(IMG2DATASET)/.installed
 
-# What scripts/bench_gpu.sh needs on a GPU machine without network: cp312 wheels of the dependencies its
+# What scripts/bench/bench_gpu.sh needs on a GPU machine without network: cp312 wheels of the dependencies its
 # image lacks and a small embedded OpenMoji dataset, ~20 MiB in .cache/gpu-bundle (PyPI access here).
 gpu-bundle: setup
-	PYTHON=$(BIN)/python scripts/gpu_bundle.sh .cache/gpu-bundle
+	PYTHON=$(BIN)/python scripts/bench/gpu_bundle.sh .cache/gpu-bundle
 
-# Every scripts/bench_*.py, each writing bench_results/<name>.json (slow: minutes each), then the README table.
+# Every scripts/bench/bench_*.py, each writing bench_results/<name>.json (slow: minutes each), then docs/performance.md's table.
 bench: setup
-	for f in scripts/bench_*.py; do $(BIN)/python $$f || exit 1; done
-	$(BIN)/python scripts/perf_table.py --write
+	for f in scripts/bench/bench_*.py; do $(BIN)/python $$f || exit 1; done
+	$(BIN)/python scripts/reports/perf_table.py --write
 
 lint: setup
 	$(BIN)/ruff check mmpretrain data_tools tests scripts

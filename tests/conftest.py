@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))  # test helpers shared with the benchmarks (clip_benchmark_anchor)
 TEXT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
 
@@ -42,6 +41,18 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subproce
     every other command-line test uses :func:`run_main`."""
     return subprocess.run([sys.executable, "-m", *args], cwd=cwd or ROOT, capture_output=True, text=True,
                           timeout=timeout, env=dict(os.environ))
+
+
+def script(path: str):
+    """A script of the repository (``scripts/reports/evidence.py``) as a module, loaded from its file: the
+    scripts are run by path, not installed."""
+    import importlib.util
+
+    file = ROOT / path
+    spec = importlib.util.spec_from_file_location(file.stem, file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 MAINS = {"mmpretrain.train": "mmpretrain.train.cli", "mmpretrain.eval": "mmpretrain.eval.__main__",

@@ -1,24 +1,23 @@
-"""The README's "Evidence" section is what scripts/evidence.py generates from the committed experiment
-JSON (no number typed by hand), and its claim verdicts follow the tables' significance rule."""
+"""docs/evidence.md is what scripts/reports/evidence.py generates from the committed experiment JSON (no
+number typed by hand), and its claim verdicts follow the tables' significance rule."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, script
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import evidence  # noqa: E402
+evidence = script("scripts/reports/evidence.py")
 
 
-def test_readme_evidence_matches_the_experiment_json():
-    text = subprocess.run([sys.executable, str(ROOT / "scripts/evidence.py")], capture_output=True, text=True,
+def test_evidence_page_matches_the_experiment_json():
+    text = subprocess.run([sys.executable, str(ROOT / "scripts/reports/evidence.py")], capture_output=True, text=True,
                           check=True).stdout.strip()
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split(evidence.START, 1)[1].split(evidence.END, 1)[0].strip()
-    assert block == text, "README evidence section is stale: run python scripts/evidence.py --write"
-    for name in evidence.load():  # every committed grid is in the README, with its plots
+    doc = (ROOT / "docs/evidence.md").read_text()
+    block = doc.split(evidence.START, 1)[1].split(evidence.END, 1)[0].strip()
+    assert block == text, "docs/evidence.md is stale: run python scripts/reports/evidence.py --write"
+    for name in evidence.load():  # every committed grid is on the page, with its plots
         assert f"bench_results/experiments/{name}.json" in block
         for plot in ("acc1", "claims"):
             assert (ROOT / f"bench_results/experiments/{name}_{plot}.png").is_file()

@@ -1,6 +1,6 @@
 """The evidence experiment's pieces: the packaged ``demo:mnist`` dataset (stratified held-out split,
 captions from several phrasings, scikit-learn's digits as an out-of-domain set) and a smoke run of
-scripts/experiment.py (2 variants x 1 seed x 3 steps) that writes, resumes and summarises its JSON."""
+scripts/reports/experiment.py (2 variants x 1 seed x 3 steps) that writes, resumes and summarises its JSON."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_build_demo_mnist_layout(tmp_path):
 
 @pytest.mark.slow  # ~45 s: two cells trained and evaluated; the committed grids are checked by test_evidence
 def test_experiment_smoke_writes_resumes_and_summarises(openmoji, tmp_path):
-    cmd = [sys.executable, str(ROOT / "scripts/experiment.py"), "clip", "sigmoid", "--data", str(openmoji),
+    cmd = [sys.executable, str(ROOT / "scripts/reports/experiment.py"), "clip", "sigmoid", "--data", str(openmoji),
            "--seeds", "0", "--steps", "3", "--eval-every", "3", "--batch-sizes", "32",
            "--tasks", "zeroshot_classification", "knn",  # linear probe and clustering: test_eval_probes.py
            "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]
@@ -85,13 +85,14 @@ def test_experiment_restarts_only_run_folders_it_made(openmoji, tmp_path):
     that the script did not make (no cell config beside it), a cell of another grid (another config
     beside it) and a finished cell that is not in this grid's JSON (another --out) are refused and left
     as they are."""
-    sys.path.insert(0, str(ROOT / "scripts"))
     import argparse
 
-    import experiment
+    from conftest import script
+
+    experiment = script("scripts/reports/experiment.py")
 
     run = tmp_path / "work/openmoji/clip_s0_b32_3steps"
-    cmd = [sys.executable, str(ROOT / "scripts/experiment.py"), "clip", "--data", str(openmoji), "--seeds", "0",
+    cmd = [sys.executable, str(ROOT / "scripts/reports/experiment.py"), "clip", "--data", str(openmoji), "--seeds", "0",
            "--steps", "3", "--batch-sizes", "32", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]
     args = argparse.Namespace(steps=3, eval_every=110)
     config = experiment.cell_config("clip", 0, 32, args, openmoji, run)

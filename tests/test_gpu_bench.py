@@ -1,5 +1,5 @@
-"""scripts/bench_gpu.sh (the one command a lent GPU machine runs) on its CPU path: every section of
-scripts/gpu_bench.py with the tiny model, so the script a GPU session gets once is not run for the
+"""scripts/bench/bench_gpu.sh (the one command a lent GPU machine runs) on its CPU path: every section of
+scripts/bench/gpu_bench.py with the tiny model, so the script a GPU session gets once is not run for the
 first time there. The bundle it carries is built by `make gpu-bundle` (PyPI access); here its dataset
 is the test's own OpenMoji build and it has no wheels (the CPU path runs in the project's venv)."""
 
@@ -24,7 +24,7 @@ def bundle(openmoji: Path, tmp_path: Path) -> Path:
 
 
 def bench(tmp_path: Path, openmoji: Path, *extra: str, env: dict | None = None) -> dict:
-    r = subprocess.run(["bash", str(ROOT / "scripts/bench_gpu.sh"), "--bundle", str(bundle(openmoji, tmp_path)),
+    r = subprocess.run(["bash", str(ROOT / "scripts/bench/bench_gpu.sh"), "--bundle", str(bundle(openmoji, tmp_path)),
                         "--cpu", *extra], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"), **(env or {})})
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
@@ -51,12 +51,12 @@ def test_gpu_bench_cpu_path_runs_every_section(openmoji, tmp_path):
 
 
 def test_bench_gpu_refuses_a_missing_bundle_and_a_machine_without_cuda(tmp_path):
-    r = subprocess.run(["bash", str(ROOT / "scripts/bench_gpu.sh"), "--bundle", str(tmp_path / "nope")],
+    r = subprocess.run(["bash", str(ROOT / "scripts/bench/bench_gpu.sh"), "--bundle", str(tmp_path / "nope")],
                        capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable})
     assert r.returncode == 2 and "make gpu-bundle" in r.stderr
     (tmp_path / "b/wheels").mkdir(parents=True)
     (tmp_path / "b/openmoji/train").mkdir(parents=True)
-    r = subprocess.run(["bash", str(ROOT / "scripts/bench_gpu.sh"), "--bundle", str(tmp_path / "b")],
+    r = subprocess.run(["bash", str(ROOT / "scripts/bench/bench_gpu.sh"), "--bundle", str(tmp_path / "b")],
                        capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable})
     assert r.returncode != 0 and "no CUDA device" in r.stderr
 
@@ -76,7 +76,7 @@ def test_gpu_bundle_replaces_only_a_bundle_it_wrote(tmp_path):
     for target in (tmp_path / "a", tmp_path / "b.partial"):
         target.mkdir()
         (target / "keep.txt").write_text("mine")
-        r = subprocess.run(["bash", str(ROOT / "scripts/gpu_bundle.sh"), str(target).removesuffix(".partial")],
+        r = subprocess.run(["bash", str(ROOT / "scripts/bench/gpu_bundle.sh"), str(target).removesuffix(".partial")],
                            capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=60)
         assert r.returncode == 2 and "not a bundle this script wrote" in r.stderr
         assert (target / "keep.txt").read_text() == "mine"

@@ -1,5 +1,5 @@
 """The GPU defaults' CPU-visible parts: text-length buckets, channels-last and torch.compile
-options through the trainer (the speed they buy is measured on a GPU by scripts/bench_gpu.sh)."""
+options through the trainer (the speed they buy is measured on a GPU by scripts/bench/bench_gpu.sh)."""
 
 from __future__ import annotations
 

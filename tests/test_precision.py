@@ -5,7 +5,8 @@ import math
 
 import pytest
 import torch
-from precision_cases import agreement, amp_cases, structured_batch  # scripts/ (conftest)
+
+from mmpretrain.testing.precision import agreement, amp_cases, structured_batch
 
 N, D, E = 256, 64, 32
 AMP = amp_cases(64)

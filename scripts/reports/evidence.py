@@ -1,13 +1,13 @@
-"""The README's "Evidence" section, generated from the experiment grid's JSON (no number typed by hand).
+"""docs/evidence.md, generated from the experiment grid's JSON (no number typed by hand).
 
-    python scripts/evidence.py            print the section's generated block
-    python scripts/evidence.py --write    replace the block between the README's evidence markers and
+    python scripts/reports/evidence.py            print the section's generated block
+    python scripts/reports/evidence.py --write    replace the block between docs/evidence.md's markers and
                                           draw bench_results/experiments/<data>_claims.png
 
-Reads bench_results/experiments/<data>.json as scripts/experiment.py writes it: per dataset the table
+Reads bench_results/experiments/<data>.json as scripts/reports/experiment.py writes it: per dataset the table
 (variant x metric, mean ± sd over seeds, Δ vs ``clip``, ``*`` when |Δ| > 2·sqrt(sd_v²/n + sd_clip²/n)),
 then each claim's measured check with the same rule, and the diagnostics that say why a claim does or
-does not reproduce. A test keeps the README's block equal to what this prints.
+does not reproduce. A test keeps the doc's block equal to what this prints.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench_results" / "experiments"
+DOC = ROOT / "docs" / "evidence.md"
 START, END = "<!-- evidence:start -->", "<!-- evidence:end -->"
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings, also when a test imports it by path
 from experiment import TABLE, VARIANTS  # noqa: E402  (one list of variants and tabled metrics)
 from perf_table import write_block  # noqa: E402
 
@@ -347,13 +348,13 @@ def main() -> int:
     if not args.write:
         print(text, end="")
         return 0
-    if not write_block(START, END, text):
-        print(f"error: README.md lacks the {START} / {END} markers", file=sys.stderr)
+    if not write_block(DOC, START, END, text):
+        print(f"error: {DOC} lacks the {START} / {END} markers", file=sys.stderr)
         return 2
     for name, data in found.items():
         if data.get("cells"):
             plot_claims(name, data, RESULTS / f"{name}_claims.png")
-    print(f"-> {ROOT / 'README.md'}")
+    print(f"-> {DOC}")
     return 0
 
 

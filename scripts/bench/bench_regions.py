@@ -2,7 +2,7 @@
 optimizer) with the region-weighted CLIP objective over plain CLIP, same model, data and settings,
 alternating blocks of steps in one process.
 
-    python scripts/bench_regions.py [--config configs/tiny/regions.yaml] [--steps 20] [--repeats 4]
+    python scripts/bench/bench_regions.py [--config configs/tiny/regions.yaml] [--steps 20] [--repeats 4]
                                     [--scales 5 10 20] [--batch-size 128]
 
 Both runs are built by ``mmpretrain.train.setup`` from --config (its model, data and the region
@@ -23,10 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import median, table, write_result  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def objective_only(options: dict, scales: list[int], dim: int = 512, repeats: int = 10) -> dict:

@@ -1,7 +1,7 @@
 """Region weighting on the packaged data: with and without regions at equal steps, held-out metrics,
 plots of the weights' entropy and the regions' purity over training.
 
-    python scripts/experiment_regions.py [--config configs/tiny/regions.yaml] [--out runs/experiment_regions]
+    python scripts/reports/experiment_regions.py [--config configs/tiny/regions.yaml] [--out runs/experiment_regions]
                                          [--seeds 0] [--variants plain image target] [-- OVERRIDES...]
 
 Each variant trains ``--config`` through ``python -m mmpretrain.train`` with the same model, data,
@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 METRICS = ("acc1", "acc5", "mean_per_class_recall", "image_retrieval_recall@5", "text_retrieval_recall@5")
 
 

@@ -1,4 +1,4 @@
-"""Shared helpers for scripts/bench_*.py: a loss-internal memory counter, timing, the JSON schema."""
+"""Shared helpers for scripts/bench/bench_*.py: a loss-internal memory counter, timing, the JSON schema."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-RESULTS = Path(__file__).resolve().parent.parent / "bench_results"
+RESULTS = Path(__file__).resolve().parents[2] / "bench_results"
 
 
 class PeakTensorMemory(TorchDispatchMode):
@@ -90,7 +90,7 @@ def write_result(name: str, ratio: float, higher_is_better: bool, target: float,
     RESULTS.mkdir(exist_ok=True)
     data = {"ratio": round(ratio, 4), "higher_is_better": higher_is_better, "target": target,
             "runs": [round(r, 4) for r in runs], "spread": [round(min(runs), 4), round(max(runs), 4)],
-            "command": "python " + " ".join([f"scripts/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
+            "command": "python " + " ".join([f"scripts/bench/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
             "extra": extra}
     try:
         data["extra"]["git_sha"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,

@@ -1,6 +1,6 @@
-"""The GPU check (run by scripts/bench_gpu.sh on a lent GPU machine; its CPU path runs in `make test`).
+"""The GPU check (run by scripts/bench/bench_gpu.sh on a lent GPU machine; its CPU path runs in `make test`).
 
-    python scripts/gpu_bench.py --data DATASET_DIR --out DIR [--sections step loss_memory precision kmeans engines]
+    python scripts/bench/gpu_bench.py --data DATASET_DIR --out DIR [--sections step loss_memory precision kmeans engines]
                                 [--model ViT-B-16] [--batch-size 256] [--steps 20] [--repeats 3]
                                 [--loss-batch 65536] [--device cuda] [--precision bf16] [--peak-tflops N]
                                 [--engines ddp fsdp deepspeed] [--engine-wrapper SCRIPT]
@@ -19,7 +19,7 @@ short keeps what it measured):
   loss_memory  peak CUDA memory above the inputs of one forward + backward of the tiled clip objective
                and of open_clip's ClipLoss at B = --loss-batch (D = 512).
   precision    every objective (tiled and not) under autocast in bf16 against fp32 on the device: relative
-               error of value and feature gradient (scripts/precision_cases.py, the CPU test's cases).
+               error of value and feature gradient (mmpretrain/testing/precision.py, the CPU test's cases).
   kmeans       region weighting's k-means (mmpretrain.losses.clusters.kmeans: scikit-learn on the host)
                against a deterministic torch Lloyd on the device, 16,384 x 1,024 at 5, 10 and 20 centroids,
                warm-started as every refresh after the first is and cold: seconds and inertia.
@@ -44,9 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the device machine runs the checkout: mmpretrain is not pip-installed there
 
 # dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device name; --peak-tflops overrides
 PEAKS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0,
@@ -222,7 +221,8 @@ def loss_memory_section(args, device, dim: int = 512, chunk: int = 4096) -> dict
 
 def precision_section(args, device) -> dict:
     import torch
-    from precision_cases import agreement, amp_cases, structured_batch
+
+    from mmpretrain.testing.precision import agreement, amp_cases, structured_batch
 
     n, d, e = args.precision_batch, 256, 128
     batch = structured_batch(n, d, e, device)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds what scripts/bench_gpu.sh needs on a GPU machine without network (`make gpu-bundle`):
+# Builds what scripts/bench/bench_gpu.sh needs on a GPU machine without network (`make gpu-bundle`):
 #   DIR/wheels/    cp312 wheels of the runtime dependencies such a machine lacks (its image has torch,
 #                  accelerate, transformers, timm, scikit-learn...; not open_clip, webdataset, pydantic,
 #                  deepspeed), at the versions this project is tested with here; deepspeed as a wheel
@@ -8,9 +8,9 @@
 #                  embeddings (the text encoder itself, 90 MB, stays here), train/ and test/
 # Everything together stays under the device's 64 MiB carry limit (checked).
 #
-#   scripts/gpu_bundle.sh [DIR]        (default .cache/gpu-bundle; needs `make setup` and PyPI access)
+#   scripts/bench/gpu_bundle.sh [DIR]        (default .cache/gpu-bundle; needs `make setup` and PyPI access)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 dir=${1:-.cache/gpu-bundle}; py=${PYTHON:-.venv/bin/python}
 [ -x "$py" ] || { echo "error: $py not found: run make setup first" >&2; exit 2; }
 # replaces only a bundle it wrote itself (its marker file), never another folder

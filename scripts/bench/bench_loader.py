@@ -2,7 +2,7 @@
 ``get_wds_dataset`` on the same shards, transform, tokenizer, batch and workers, alternating A B A B
 in one run.
 
-    python scripts/bench_loader.py [--image-size 32] [--shard-px 256] [--batch-size 128] [--workers 2]
+    python scripts/bench/bench_loader.py [--image-size 32] [--shard-px 256] [--batch-size 128] [--workers 2]
                                    [--epochs 3] [--repeats 3]
 
 Data: the packaged OpenMoji emoji built by ``data_tools build demo:openmoji`` as 256 px JPEG shards
@@ -23,7 +23,6 @@ import time
 from argparse import Namespace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import report_ratio  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """`data_tools embed` sentences/s against raw SentenceTransformer.encode on the same model, captions
 and batch, end to end (model load included on both sides), alternating A B A B in one run.
 
-    python scripts/bench_embed.py [--model sentence-transformers/all-MiniLM-L6-v2] [--captions 20000] [--repeats 3]
+    python scripts/bench/bench_embed.py [--model sentence-transformers/all-MiniLM-L6-v2] [--captions 20000] [--repeats 3]
 
 Data: the packaged OpenMoji captions (their Unicode names), repeated to ``--captions`` and written as
 shards of 1,000 samples (a 1x1 PNG and the caption each) in a temporary folder. Ours reads every
@@ -18,7 +18,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import report_ratio  # noqa: E402
 
 

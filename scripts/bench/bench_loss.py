@@ -1,11 +1,11 @@
 """Loss-internal peak memory and forward+backward time: our tiled objectives against open_clip's
 ClipLoss and SigLipLoss, and tiled soft_target against untiled, on CPU in fp32.
 
-    python scripts/bench_loss.py                       # B in {4096, 16384}, D = 512
-    python scripts/bench_loss.py --batch 2048 --repeats 1  # quick look
+    python scripts/bench/bench_loss.py                       # B in {4096, 16384}, D = 512
+    python scripts/bench/bench_loss.py --batch 2048 --repeats 1  # quick look
 
 Memory counts tensor storage created while the loss runs forward and backward (a dispatch-mode
-counter, scripts/benchlib.py), excluding the inputs and their .grad. Writes bench_results/loss.json:
+counter, scripts/bench/benchlib.py), excluding the inputs and their .grad. Writes bench_results/loss.json:
 headline ``ratio`` = clip's memory ratio (ours / open_clip, lower is better) at the largest batch.
 """
 
@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mmpretrain.losses import LOSSES  # noqa: E402
 
 from benchlib import measure, median, table, write_result  # noqa: E402

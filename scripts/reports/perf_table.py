@@ -1,9 +1,10 @@
-"""The README's performance table, generated from bench_results/*.json (the contracts.md schema).
+"""docs/performance.md's table, generated from bench_results/*.json (each benchmark's JSON: ratio,
+target, runs, spread, command).
 
-    python scripts/perf_table.py            print the table
-    python scripts/perf_table.py --write    replace the table between the README's perf-table markers
+    python scripts/reports/perf_table.py            print the table
+    python scripts/reports/perf_table.py --write    replace the table between docs/performance.md's perf-table markers
 
-``make bench`` runs every scripts/bench_*.py and then this with --write; a test keeps the README's
+``make bench`` runs every scripts/bench/bench_*.py and then this with --write; a test keeps the doc's
 table equal to what the committed JSON files say.
 """
 
@@ -14,8 +15,9 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench_results"
+DOC = ROOT / "docs" / "performance.md"
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
 
 # what each bench compares (the JSON says how it came out)
@@ -91,28 +93,27 @@ def table() -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--write", action="store_true", help="rewrite the README's table")
+    p.add_argument("--write", action="store_true", help="rewrite docs/performance.md's table")
     args = p.parse_args()
     text = table()
     if not args.write:
         print(text)
         return 0
-    if not write_block(START, END, text):
-        print(f"error: README.md lacks the {START} ... {END} markers", file=sys.stderr)
+    if not write_block(DOC, START, END, text):
+        print(f"error: {DOC} lacks the {START} ... {END} markers", file=sys.stderr)
         return 2
-    print(f"README.md performance table: {len(text.splitlines()) - 2} rows")
+    print(f"{DOC.relative_to(ROOT)} performance table: {len(text.splitlines()) - 2} rows")
     return 0
 
 
-def write_block(start: str, end: str, text: str) -> bool:
-    """Replace what lies between the README's ``start`` and ``end`` markers by ``text`` (also used by
-    scripts/evidence.py); False, and nothing written, when a marker is missing."""
-    readme = ROOT / "README.md"
-    doc = readme.read_text()
-    if start not in doc or end not in doc:
+def write_block(doc: Path, start: str, end: str, text: str) -> bool:
+    """Replace what lies between ``doc``'s ``start`` and ``end`` markers by ``text`` (also used by
+    scripts/reports/evidence.py); False, and nothing written, when a marker is missing."""
+    old = doc.read_text()
+    if start not in old or end not in old:
         return False
-    head, rest = doc.split(start, 1)
-    readme.write_text(f"{head}{start}\n{text.rstrip(chr(10))}\n{end}{rest.split(end, 1)[1]}")
+    head, rest = old.split(start, 1)
+    doc.write_text(f"{head}{start}\n{text.rstrip(chr(10))}\n{end}{rest.split(end, 1)[1]}")
     return True
 
 
