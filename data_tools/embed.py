@@ -24,7 +24,7 @@ from mmpretrain.data.sidecar import INDEX, LAYOUT, SUFFIXES, read_index, shard_b
 from mmpretrain.data.sources import Source, resolve_source
 from mmpretrain.data.tar import UNREADABLE, read_tar
 from mmpretrain.data.urls import shard_path
-from mmpretrain.hub_cache import require_model
+from mmpretrain.hub_cache import local_only, quiet_load, require_model
 from mmpretrain.launch import current_process
 
 MARKERS = ".embed"  # per-shard completion records
@@ -48,7 +48,8 @@ def dataset_folders(path: str | Path) -> list[Path]:
 def _load_encoder(model: str, device: str | None):
     from sentence_transformers import SentenceTransformer
 
-    enc = SentenceTransformer(str(model), device=device)
+    with quiet_load():
+        enc = SentenceTransformer(str(model), device=device, **local_only())
     if enc.device.type == "cuda":
         enc = enc.half()
     return enc

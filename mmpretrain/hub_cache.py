@@ -10,10 +10,13 @@ the machine later goes online, huggingface_hub sees a different ref and fetches 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import logging
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 DEMO_TEXT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -28,6 +31,47 @@ def hub_cache_dir() -> Path:
 def offline() -> bool:
     return any(os.environ.get(v, "").upper() in {"1", "ON", "YES", "TRUE"} for v in ("HF_HUB_OFFLINE",
                                                                                   "TRANSFORMERS_OFFLINE"))
+
+
+def local_only() -> dict:
+    """Keywords for loading a model offline from the cache without asking the Hub first: huggingface_hub
+    otherwise tries the API, then warns "Could not reach the Hub (... offline mode is enabled ...)" on
+    every load (a message about a setting the user chose, with nothing to act on)."""
+    return {"local_files_only": True} if offline() else {}
+
+
+class _UnusedPooler(logging.Filter):
+    """Drops transformers' load report when all it reports is a checkpoint's pooler weights left unused: a
+    mean-pooled text tower (open_clip's HF tower, sentence-transformers) is built without BERT's pooler, so
+    those weights are unused by design. Any other report (missing or mismatched weights) passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if "LOAD REPORT" not in msg:
+            return True
+        rows = [line.split("|") for line in msg.splitlines() if line.count("|") >= 2]
+        keys = [(r[0].strip(), r[1].strip()) for r in rows if r[0].strip() not in ("Key", "") and set(r[0].strip()) != {"-"}]
+        return not keys or not all(k.startswith("pooler.") and "UNEXPECTED" in status for k, status in keys)
+
+
+@contextlib.contextmanager
+def quiet_load() -> Iterator[None]:
+    """Around loading a frozen text model: no per-load weight progress bar, and no load report for the
+    pooler weights a mean-pooled tower leaves unused by design (:class:`_UnusedPooler`); every other
+    warning is kept."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    report = logging.getLogger("transformers.modeling_utils")
+    unused = _UnusedPooler()
+    report.addFilter(unused)
+    try:
+        yield
+    finally:
+        report.removeFilter(unused)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def require_model(name: str, setting: str) -> None:

@@ -29,3 +29,49 @@ def test_bad_arguments_exit_2(tmp_path):
     assert run_main("mmpretrain.export", str(tmp_path), "--out", str(tmp_path / "x")).returncode == 2
     r = run_main("mmpretrain.eval", "--model", str(tmp_path), "--dataset", str(tmp_path / "missing"), "--task", "knn")
     assert r.returncode == 2 and "no such folder" in r.stderr
+
+
+def test_a_normal_run_prints_no_library_load_reports(openmoji, tmp_path):
+    """Offline, as the demo runs: embedding a dataset and 2 training steps of the demo config print no
+    library load report (transformers' table of the MiniLM pooler weights a mean-pooled tower leaves
+    unused), no weight-loading progress bar, and no "Could not reach the Hub" for the offline mode the
+    user chose. A fresh interpreter, since the libraries' log handlers hold the process's real stderr."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import ROOT, TEXT_MODEL
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for p in (openmoji / "train").iterdir():
+        if p.suffix == ".tar" or p.name == "sizes.json":
+            shutil.copy(p, data / p.name)
+    code = ("import sys; from data_tools.__main__ import main as data_tools; from mmpretrain.train.cli import main as "
+            f"train; sys.exit(data_tools(['embed', {str(data)!r}, '--model', {TEXT_MODEL!r}]) or train(['--config', "
+            f"{str(ROOT / 'configs/demo.yaml')!r}, 'data.train={data}', 'run_dir={tmp_path / 'run'}', 'train.steps=2', "
+            "'train.epochs=null', 'data.num_workers=0', 'optim.warmup_steps=1', 'train.progress=false']))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    printed = r.stdout + r.stderr
+    for noise in ("UNEXPECTED", "LOAD REPORT", "Could not reach the Hub", "Loading weights"):
+        assert noise not in printed, (noise, printed[-3000:])
+    assert (tmp_path / "run/checkpoints/step_00000002").is_dir()
+
+
+def test_the_load_report_filter_keeps_every_other_report():
+    """Only a report of unused pooler weights is dropped: missing or mismatched weights still print."""
+    import logging
+
+    from mmpretrain.hub_cache import _UnusedPooler
+
+    def report(*rows):
+        table = "Key | Status |  | \n----+----+--+-\n" + "".join(f"{k} | {s} |  | \n" for k, s in rows)
+        return logging.LogRecord("transformers.modeling_utils", logging.WARNING, "", 0,
+                                 "BertModel LOAD REPORT from: x\n" + table, None, None)
+
+    keep = _UnusedPooler().filter
+    assert not keep(report(("pooler.dense.weight", "UNEXPECTED"), ("pooler.dense.bias", "UNEXPECTED")))
+    assert keep(report(("pooler.dense.weight", "UNEXPECTED"), ("encoder.layer.0.attention.self.query.weight", "MISSING")))
+    assert keep(report(("embeddings.word_embeddings.weight", "MISMATCH")))
+    assert keep(logging.LogRecord("transformers.modeling_utils", logging.WARNING, "", 0, "another warning", None, None))

@@ -27,6 +27,7 @@ from open_clip.transformer import text_global_pool
 from safetensors.torch import load_file
 from torch import nn
 
+from mmpretrain.hub_cache import quiet_load
 from mmpretrain.run_files import MODEL_WEIGHTS, RunFolder, checkpoint_clip_weights
 
 PACKAGED_CONFIGS = Path(__file__).resolve().parent.parent / "model_configs"
@@ -140,7 +141,8 @@ def instantiate(model_cfg: dict, load_text_weights: bool, nonscalar_logit_scale:
     cls = open_clip.CustomTextCLIP if custom else open_clip.CLIP
     if nonscalar_logit_scale:
         cfg["nonscalar_logit_scale"] = True
-    return cls(**cfg)
+    with quiet_load():  # the HF tower's load: no progress bar, no report of the unused pooler weights
+        return cls(**cfg)
 
 
 LOGIT_KEYS = ("logit_scale", "logit_bias")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
+from mmpretrain.hub_cache import local_only, quiet_load
+
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
 
@@ -13,7 +15,8 @@ def load_target_encoder(model: str, device: str) -> SentenceTransformer:
     # sentence-transformers adds ~2.4 s to the trainer's start; only online targets need it
     from sentence_transformers import SentenceTransformer
 
-    return SentenceTransformer(str(model), device=device).eval()
+    with quiet_load():
+        return SentenceTransformer(str(model), device=device, **local_only()).eval()
 
 
 def choose_target_source(requested: Literal["auto", "shards", "online"], model: str, recorded: set[str | None],
