@@ -73,7 +73,8 @@ class DataConfig(_Strict):
     num_samples: int | None = Field(None, gt=0, description="resampled mode: samples per epoch (default: the "
                                     "dataset's size); epoch mode: leave unset, an epoch is the whole dataset")
     batch_size: int = Field(128, gt=0, description="per-rank batch size")
-    num_workers: int = Field(2, ge=0)
+    num_workers: int = Field(2, ge=0, description="DataLoader workers per rank, each reading its own shard ranges "
+                             "(0: in the training process)")
     shuffle_buffer: int = Field(1000, ge=0, description="samples per shuffle block of each reader (0 or 1 = none)")
     worker_nice: int = Field(10, ge=0, le=19, description="niceness added to the loader workers, so that on a "
                              "saturated CPU the training threads keep their cores (0: same priority)")
@@ -135,9 +136,11 @@ class TargetsConfig(_Strict):
 
 
 class LossTerm(_Strict):
-    name: str
+    name: str = Field(description="an objective of mmpretrain.losses.LOSSES: clip, sigmoid, soft_target, cwcl, vrn, "
+                      "align_uniform, global_clip, regions (docs/methods.md)")
     weight: float = Field(1.0, ge=0, allow_inf_nan=False, description="the term's weight in the sum (0: off)")
-    options: dict[str, Any] = Field(default_factory=dict)
+    options: dict[str, Any] = Field(default_factory=dict, description="the objective's constructor options, "
+                                    "checked when the config loads")
 
     @field_validator("name")
     @classmethod
@@ -163,14 +166,15 @@ class LossTerm(_Strict):
 
 
 class OptimConfig(_Strict):
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.1, ge=0)
+    lr: float = Field(1e-3, gt=0, description="peak learning rate (AdamW), after the linear warm-up, then cosine")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW's decoupled weight decay; none on biases, norms, "
+                                "the logit scale and bias (open_clip's rule)")
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
         (0.9, 0.98), description="AdamW's (beta1, beta2), each in [0, 1)")
-    eps: float = Field(1e-6, gt=0)
+    eps: float = Field(1e-6, gt=0, description="AdamW's epsilon")
     warmup_steps: int | None = Field(None, ge=0, description="default: 10% of total steps")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine floor as a fraction of lr")
-    grad_clip_norm: float | None = Field(1.0, gt=0)
+    grad_clip_norm: float | None = Field(1.0, gt=0, description="clip the gradient's global norm to this (null: off)")
     implementation: Literal["fused", "foreach", "for_loop"] = Field(
         "fused", description="AdamW kernel: fused (one kernel over all parameters, CPU and CUDA; measured 8x faster "
         "than for_loop on this CPU), foreach, or for_loop (torch's CPU default, as open_clip_train)")
@@ -182,17 +186,18 @@ class TrainConfig(_Strict):
     precision: Literal["no", "fp32", "fp16", "bf16"] = Field(
         "no", description="mixed precision: no (= fp32), bf16 (GPUs, and CPUs: native with AVX-512 BF16 or AMX, "
         "emulated otherwise) or fp16 (GPUs, with loss scaling)")
-    log_every: int = Field(10, gt=0)
+    log_every: int = Field(10, gt=0, description="a log.jsonl record (and tracker point) every N steps")
     save_every: int | None = Field(None, gt=0, description="checkpoint every K steps (always one at the end)")
     max_logit_scale: float = Field(100.0, gt=1.0, description="the scale is clamped to ln(this) after each step")
-    progress: bool = True
+    progress: bool = Field(True, description="a progress bar on the main process")
     micro_batch_size: int | None = Field(None, gt=0, description="split each rank's batch into micro-batches of "
                                          "this size (memory); see micro_batch_mode")
     micro_batch_mode: Literal["grad_cache", "accumulate"] = Field(
         "grad_cache", description="grad_cache: the whole batch's gradient exactly (towers without BatchNorm); "
         "accumulate: each micro-batch its own objective, gradients averaged (a different objective)")
     log_with: list[Literal["tensorboard", "wandb"]] = Field(
-        default_factory=lambda: ["tensorboard"], description="trackers beside log.jsonl (run_dir/tb for tensorboard)")
+        default_factory=lambda: ["tensorboard"], description="trackers beside log.jsonl (tensorboard writes into "
+        "run_dir/mmpretrain/)")
     diagnostics_every: int | Literal["auto"] | None = Field(
         "auto", description="geometry diagnostics of the gathered batch every N steps (alignment, uniformity, "
         "modality gap, negative similarities); auto: about 50 points over the run, on logging steps; null: off")
@@ -230,8 +235,8 @@ class EvalConfig(_Strict):
     every: int = Field(gt=0, description="run the evaluations every N steps (and at the end), on all ranks")
     datasets: list[str] = Field(min_length=1, description="dataset specs as python -m mmpretrain.eval takes them")
     tasks: list[str] = Field(min_length=1, description="one task for all datasets, or one per dataset")
-    batch_size: int = Field(256, gt=0)
-    num_workers: int = Field(2, ge=0)
+    batch_size: int = Field(256, gt=0, description="images per evaluation batch (per rank)")
+    num_workers: int = Field(2, ge=0, description="DataLoader workers decoding the evaluation images")
 
     @model_validator(mode="after")
     def _tasks(self):
@@ -252,8 +257,8 @@ class HubConfig(_Strict):
     repo_id: str = Field(description="ORG/NAME on the Hugging Face Hub (token: HF_TOKEN or `hf auth login`)")
     push_every: int | None = Field(None, gt=0, description="upload each checkpoint whose step is a multiple of "
                                    "this into checkpoints/step_N of the repo")
-    private: bool = True
-    revision: str | None = None
+    private: bool = Field(True, description="create the repository private")
+    revision: str | None = Field(None, description="the branch to upload to (default: main)")
 
     @field_validator("repo_id")
     @classmethod
@@ -268,15 +273,16 @@ class HubConfig(_Strict):
 
 
 class ExperimentConfig(_Strict):
-    name: str = "run"
+    name: str = Field("run", description="the run's name: its folder (runs/<name>) and tracker run name")
     run_dir: str | None = Field(None, description="default: runs/<name>")
     resume: str | None = Field(None, description="a checkpoint folder (or run folder: its latest) to resume from; "
                                "a run_dir that already holds checkpoints resumes from its latest by itself")
-    seed: int = 0
+    seed: int = Field(0, description="seeds the model's initialisation, the stream's order and the augmentations")
     data: DataConfig
     model: ModelConfig = Field(default_factory=ModelConfig)
     targets: TargetsConfig = Field(default_factory=TargetsConfig)
-    loss: list[LossTerm] = Field(default_factory=lambda: [LossTerm(name="clip")])
+    loss: list[LossTerm] = Field(default_factory=lambda: [LossTerm(name="clip")], description="the objective: a "
+                                 "weighted sum of named terms, e.g. [{name: clip}, {name: soft_target, weight: 0.5}]")
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=lambda: TrainConfig(epochs=1))
     eval: EvalConfig | None = Field(None, description="evaluations during training (the evaluation suite's tasks)")
