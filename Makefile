@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM ?= false
 DATA := data/openmoji
 RUN := runs/demo
 
-.PHONY: setup demo test test-slow deepspeed img2dataset gpu-bundle lint bench clean
+.PHONY: setup demo test test-unit test-slow deepspeed img2dataset gpu-bundle lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -m "not slow" -q --durations=15
+
+# The unit tier (~40 s): no built data, training run, launcher or server (tests/conftest.py marks them)
+test-unit: setup
+	$(BIN)/python -m pytest -m unit -q
 
 test-slow: setup deepspeed img2dataset
 	$(BIN)/python -m pytest -m slow -q

@@ -26,6 +26,19 @@ def pytest_configure(config):
     seed_demo_models(cache / "hub")
 
 
+# what builds data, trains, launches processes or serves on loopback: a test using none of these (and not
+# marked integration) is a unit test, run alone by `make test-unit`
+INTEGRATION_FIXTURES = {"openmoji", "emoji_images", "ddp_run", "ddp_checks", "http_server", "s3_port", "tiny_model",
+                        "digits", "model_state", "retrieval_wds"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if not (set(item.fixturenames) & INTEGRATION_FIXTURES or item.get_closest_marker("integration")
+                or item.get_closest_marker("slow")):
+            item.add_marker(pytest.mark.unit)
+
+
 @pytest.fixture(autouse=True)
 def _no_network():
     import pytest_socket

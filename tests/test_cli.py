@@ -9,6 +9,7 @@ from conftest import run_cli, run_main
 
 @pytest.mark.parametrize("args", [("data_tools", "--help"), ("mmpretrain.train", "--help"),
                                   ("mmpretrain.eval", "--help"), ("mmpretrain.export", "--help")])
+@pytest.mark.integration  # starts processes (or builds real data): not in make test-unit
 def test_help(args):
     r = run_cli(*args)
     assert r.returncode == 0, r.stderr

@@ -6,11 +6,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, script
 
 evidence = script("scripts/reports/evidence.py")
 
 
+@pytest.mark.integration  # starts processes (or builds real data): not in make test-unit
 def test_evidence_page_matches_the_experiment_json():
     text = subprocess.run([sys.executable, str(ROOT / "scripts/reports/evidence.py")], capture_output=True, text=True,
                           check=True).stdout.strip()

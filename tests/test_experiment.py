@@ -18,6 +18,7 @@ from data_tools.sources import mnist
 from conftest import ROOT, run_main
 
 
+@pytest.mark.integration  # reads the 5,000 packaged MNIST digits: not in make test-unit
 def test_mnist_split_is_stratified_disjoint_and_deterministic():
     _, labels = mnist.load()
     assert np.all(np.diff(labels) >= 0)  # the file is sorted by class: "the last 500" would be all nines
@@ -33,6 +34,7 @@ def test_mnist_split_is_stratified_disjoint_and_deterministic():
         assert mnist.WORDS[d] in c.split() or str(d) in c.replace(",", " ").split()
 
 
+@pytest.mark.integration  # starts processes (or builds real data): not in make test-unit
 def test_build_demo_mnist_layout(tmp_path):
     out = tmp_path / "mnist"
     r = run_main("data_tools", "build", "demo:mnist", "--out", str(out), "--image-size", "28", "--limit", "200",

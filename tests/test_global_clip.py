@@ -1,4 +1,4 @@
-"""``global_clip`` (SogCLR / FastCLIP-v3) against references written from methods.md item 6 and from
+"""``global_clip`` (SogCLR / FastCLIP-v3) against references written from docs/methods.md and from
 FastCLIP's ``FastCLIPLoss`` (Optimization-AI/fast_clip, src/fast_clip/loss.py, transcribed below, not
 imported): the feature gradient at γ = 1, the ``u`` update, the v3 surrogate's value and gradients,
 the duplicate-index rule, accepted-steps-only updates, 2 and 4 gloo ranks equal to one process, and

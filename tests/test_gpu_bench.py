@@ -50,6 +50,7 @@ def test_gpu_bench_cpu_path_runs_every_section(openmoji, tmp_path):
     assert "open_clip_model.safetensors" in fsdp["export_files"] and fsdp["acc1"] is not None
 
 
+@pytest.mark.integration  # starts processes (or builds real data): not in make test-unit
 def test_bench_gpu_refuses_a_missing_bundle_and_a_machine_without_cuda(tmp_path):
     r = subprocess.run(["bash", str(ROOT / "scripts/bench/bench_gpu.sh"), "--bundle", str(tmp_path / "nope")],
                        capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable})

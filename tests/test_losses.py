@@ -26,7 +26,7 @@ TOL = dict(rtol=1e-6, atol=1e-8)
 
 
 def naive_soft_target(x, y, t, s, tau_s):
-    """methods.md: L = -1/(2B) sum_ij G_ij [log softmax_j(s x_i.y_j) + log softmax_j(s y_i.x_j)]."""
+    """docs/methods.md: L = -1/(2B) sum_ij G_ij [log softmax_j(s x_i.y_j) + log softmax_j(s y_i.x_j)]."""
     b = x.shape[0]
     total = 0.0
     for i in range(b):
@@ -260,18 +260,26 @@ def _rank_losses(rank, world):
 
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory):
-    """Every case on 2 and on 4 gloo ranks (B = 12: 6 or 3 samples per rank)."""
-    return {world: run_ranks(_rank_losses, (), tmp_path_factory.mktemp(f"ddp{world}"), world=world)
-            for world in (2, 4)}
+    """``world -> every case's results`` on 2 or 4 gloo ranks (B = 12: 6 or 3 samples per rank), each world
+    run once, when a test first asks for it."""
+    done = {}
+
+    def results(world: int) -> list:
+        if world not in done:
+            done[world] = run_ranks(_rank_losses, (), tmp_path_factory.mktemp(f"ddp{world}"), world=world)
+        return done[world]
+
+    return results
 
 
-@pytest.mark.parametrize("world", [2, 4])
+# 4 ranks: a pool of 4 more processes, so not in make test-unit (2 ranks are)
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.integration)])
 @pytest.mark.parametrize("case", range(len(DIST_CASES)), ids=[f"{n}-{o}" for n, o in DIST_CASES])
 def test_ranks_equal_one_process(rank_results, case, world):
     name, options = DIST_CASES[case]
     x, y, t = inputs(5)
     full, gx, gy, gs, gb = _loss_and_grads(name, options, x, y, t)
-    res = [r[case] for r in rank_results[world]]
+    res = [r[case] for r in rank_results(world)]
     # mean over ranks of the losses == the one-process loss
     torch.testing.assert_close(torch.stack([r[0] for r in res]).mean(), full, **TOL)
     # DDP averages parameter gradients over ranks, so rank r's feature gradient / world must equal

@@ -4,9 +4,12 @@
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 
+@pytest.mark.integration  # starts processes (or builds real data): not in make test-unit
 def test_performance_table_matches_the_bench_results():
     table = subprocess.run([sys.executable, str(ROOT / "scripts/reports/perf_table.py")], capture_output=True,
                            text=True, check=True).stdout.strip()
@@ -16,6 +19,7 @@ def test_performance_table_matches_the_bench_results():
     assert table.count("\n") >= 5 and "`python scripts/bench/bench_" in table
 
 
+@pytest.mark.integration  # starts processes (or builds real data): not in make test-unit
 def test_usage_config_table_lists_every_key():
     table = subprocess.run([sys.executable, str(ROOT / "scripts/reports/config_table.py")], capture_output=True,
                            text=True, check=True).stdout.strip()

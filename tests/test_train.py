@@ -166,6 +166,7 @@ def launched_steps(request, tmp_path):
 # objective is also tested on 2 gloo ranks in value and gradient (test_losses.py)
 @pytest.mark.parametrize("world,which", [(2, "default"), pytest.param(4, "default", marks=pytest.mark.slow),
                                          pytest.param(4, "all", marks=pytest.mark.slow)])
+@pytest.mark.integration  # starts processes (or builds real data): not in make test-unit
 def test_processes_equal_one_with_the_same_global_batch(one_process_steps, launched_steps, world, which):
     """5 float64 steps through train_step with the global batch split over ``world`` gloo ranks under
     accelerate launch: the losses and weights of one process, with and without gradient caching; on 4

@@ -1,4 +1,4 @@
-"""Global contrastive objective (SogCLR, Yuan et al. ICML 2022; FastCLIP, Wei et al. 2024), methods.md item 6.
+"""Global contrastive objective (SogCLR, Yuan et al. ICML 2022; FastCLIP, Wei et al. 2024); docs/methods.md.
 
 Mini-batch InfoNCE estimates each anchor's normaliser from the batch alone. This objective keeps, for
 every training sample ``i`` (by its stable global index), running estimates ``u_i^I``, ``u_i^T`` of
@@ -88,7 +88,7 @@ class GlobalClipLoss(Objective):
             raise ValueError("global_clip: gamma_schedule=cosine needs gamma_decay_epochs >= 1")
         if temperature_scheme not in SCHEMES:
             raise ValueError(f"global_clip: temperature_scheme={temperature_scheme!r}: choose one of {list(SCHEMES)} "
-                             "(per-sample temperatures are not offered, see methods.md)")
+                             "(per-sample temperatures are not offered, see docs/methods.md)")
         if not temperature > 0:
             raise ValueError(f"global_clip: temperature={temperature} must be positive")
         self.gamma, self.gamma_schedule, self.gamma_decay_epochs = float(gamma), gamma_schedule, int(gamma_decay_epochs)

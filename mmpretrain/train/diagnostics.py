@@ -1,5 +1,5 @@
-"""Geometry diagnostics of a batch of embeddings (formulas: ../shared/docs/methods.md, "Regularisers and
-geometry measures") and the run's end-of-training plots.
+"""Geometry diagnostics of a batch of embeddings (formulas: docs/methods.md, "Geometry
+diagnostics") and the run's end-of-training plots.
 
 ``geometry(x, y)`` takes the image and text embeddings of the *global* batch (the trainer gathers them
 from every rank first), L2-normalised, pairs on the diagonal."""
@@ -48,7 +48,7 @@ def geometry(x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
     }
 
 
-# what each geometry measure's axis shows (formulas: methods.md)
+# what each geometry measure's axis shows (formulas: docs/methods.md)
 GEOMETRY_UNITS = {
     "align": "mean ||x - y||^2",
     "uniform_image": "log mean exp(-2 d^2)",

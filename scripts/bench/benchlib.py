@@ -64,7 +64,7 @@ class PeakTensorMemory(TorchDispatchMode):
 def measure(fn, inputs: tuple[torch.Tensor, ...], repeats: int = 3) -> tuple[list[float], int]:
     """``fn()`` runs forward+backward of a loss on ``inputs`` (leaf tensors); returns the wall times
     and the loss-internal peak bytes of one more run: the inputs, their pre-allocated ``.grad`` and the
-    gradient tensors delivered to them are excluded (contracts.md: "excluding the inputs and their
+    gradient tensors delivered to them are excluded (docs/performance.md: "excluding the inputs and their
     gradients")."""
     times = []
     for _ in range(repeats):

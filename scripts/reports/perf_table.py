@@ -39,7 +39,7 @@ def fmt(x: float) -> str:
 
 def rows() -> list[str]:
     found = {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))}
-    # only the ratio benches (contracts.md schema); gpu.json and kmeans_cpu.json are read by their sections
+    # only the ratio benches (the schema in docs/performance.md); gpu.json and kmeans_cpu.json are read by their sections
     found = {k: d for k, d in found.items() if {"ratio", "spread", "runs"} <= set(d)}
     out = ["| bench | measured (spread over repeats) | target | command |", "|---|---|---|---|"]
     for name in sorted(found, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n)):

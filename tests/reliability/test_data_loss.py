@@ -122,6 +122,7 @@ def test_build_overwrite_removes_only_what_a_build_wrote(openmoji, tmp_path):
     assert (out / "my_own.tar").read_bytes() == b"not ours"
 
 
+@pytest.mark.integration  # starts processes (or builds real data): not in make test-unit
 def test_demo_overwrite_keeps_a_users_files(tmp_path):
     out = tmp_path / "demo"
     args = ["demo:openmoji", "--out", out, "--image-size", "16", "--limit", "500", "--shard-size", "100"]
@@ -134,6 +135,7 @@ def test_demo_overwrite_keeps_a_users_files(tmp_path):
     assert json.loads((out / "train/sizes.json").read_text())
 
 
+@pytest.mark.integration  # starts processes (or builds real data): not in make test-unit
 def test_embed_after_a_rebuild_embeds_the_new_shards(tmp_path):
     """build --overwrite replaces the shards but leaves embed's own records: those must be seen as stale
     (make demo runs build --overwrite, then embed, then training that needs the embeddings)."""
