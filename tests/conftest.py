@@ -178,6 +178,20 @@ def launch(run_dir: Path, data: Path, *overrides: str, accelerate: str = "cpu-2p
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
 
 
+# the demo config for 4 steps in one process, checkpoints at 2 and 4 (the checkpoint and export tests' run)
+DEMO_RUN = ["data.batch_size=16", "data.num_workers=0", "train.log_every=1", "train.save_every=2", "train.keep_last=5"]
+
+
+@pytest.fixture(scope="session")
+def demo_run(openmoji, tmp_path_factory) -> Path:
+    """The demo config trained 4 steps (:data:`DEMO_RUN`) through the trainer's main in this process.
+    Shared: a test that changes it works on its own copy."""
+    run_dir = tmp_path_factory.mktemp("demo_run") / "run"
+    r = train(openmoji / "train", run_dir, "train.steps=4", *DEMO_RUN)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run_dir
+
+
 # 6 steps on 2 ranks, checkpoints at 3 and 6: the data-parallel reference of the engine tests, and the run
 # the 2-rank evaluation reads
 DDP_RUN = ["train.steps=6", "train.epochs=null", "data.batch_size=16", "data.num_workers=1", "data.shuffle_buffer=32",

@@ -20,7 +20,7 @@ from test_train import _NanAt  # the run's objective with a non-finite loss at o
 from mmpretrain.losses import LOSSES
 from mmpretrain.losses.global_clip import gamma_at, last_occurrence
 
-from conftest import ROOT, run_main
+from conftest import ROOT, setup_run, train
 from ddp_helpers import run_ranks
 
 B, D, N = 12, 16, 40
@@ -274,19 +274,16 @@ def test_ranks_equal_one_process(tmp_path, world):
 # ---------------------------------------------------------------- in the trainer
 
 GLOBAL = "loss=[{name: global_clip, options: {gamma: 0.5, gamma_schedule: constant}}]"
-COMMON = ["train.epochs=null", "data.batch_size=16", "data.shuffle_buffer=32", "optim.warmup_steps=2",
-          "train.log_every=1", "train.keep_last=2", "train.progress=false"]
+COMMON = ["data.batch_size=16", "data.shuffle_buffer=32", "optim.warmup_steps=2", "train.log_every=1",
+          "train.keep_last=2"]
 
 
 def test_trainer_commits_accepted_steps_only_with_grad_caching(openmoji, tmp_path):
     from mmpretrain.config import load_config
-    from mmpretrain.train import fit, setup
+    from mmpretrain.train import fit
 
-    cfg = load_config(ROOT / "configs/demo.yaml", [f"data.train={openmoji / 'train'}", f"run_dir={tmp_path / 'r'}",
-                                                   *COMMON, GLOBAL, "train.steps=3", "train.save_every=1",
-                                                   "data.num_workers=0", "train.nonfinite=skip", "train.keep_last=3",
-                                                   "train.micro_batch_size=8"])
-    run = setup(cfg)
+    run = setup_run(openmoji / "train", tmp_path / "r", *COMMON, GLOBAL, "train.steps=3", "train.save_every=1",
+                    "data.num_workers=0", "train.nonfinite=skip", "train.keep_last=3", "train.micro_batch_size=8")
     assert run.objective.terms[0].log_u_image.numel() == sum(
         json.loads((openmoji / "train/sizes.json").read_text()).values())
     run.objective = _NanAt(run.objective, 1, run)  # step 2 (0-based 1) is skipped
@@ -303,13 +300,12 @@ def test_trainer_commits_accepted_steps_only_with_grad_caching(openmoji, tmp_pat
 
 
 def test_trainer_saves_the_tables_and_resumes_bit_for_bit(openmoji, tmp_path):
-    def train(run_dir):
-        return run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"),
-                       f"data.train={openmoji / 'train'}", f"run_dir={run_dir}", *COMMON, GLOBAL, "train.steps=6",
-                       "train.save_every=3", "data.num_workers=2")
+    def run(run_dir):
+        return train(openmoji / "train", run_dir, *COMMON, GLOBAL, "train.steps=6", "train.save_every=3",
+                     "data.num_workers=2")
 
     a = tmp_path / "a"
-    r = train(a)
+    r = run(a)
     assert r.returncode == 0, r.stderr[-3000:]
     records = [json.loads(x) for x in (a / "log.jsonl").read_text().splitlines()]
     assert all("global_clip/log_u" in rec and math.isfinite(rec["global_clip_loss"]) for rec in records if "loss" in rec)
@@ -317,7 +313,7 @@ def test_trainer_saves_the_tables_and_resumes_bit_for_bit(openmoji, tmp_path):
     shutil.copytree(a, b)
     shutil.rmtree(b / "checkpoints/step_00000006")
     (b / "log.jsonl").write_text("\n".join((a / "log.jsonl").read_text().splitlines()[:3]) + "\n")
-    r = train(b)
+    r = run(b)
     assert r.returncode == 0 and "step 3" in r.stderr, r.stderr[-3000:]
     for name in ("objective.safetensors", "model.safetensors"):
         sa = load_file(a / "checkpoints/step_00000006" / name)

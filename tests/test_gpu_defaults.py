@@ -4,16 +4,13 @@ options through the trainer (the speed they buy is measured on a GPU by scripts/
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from mmpretrain.models.factory import trim_padding
 
-from conftest import run_main
-
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import train
 
 
 def test_trimmed_lengths_are_bucketed_within_the_context():
@@ -28,11 +25,9 @@ def test_trimmed_lengths_are_bucketed_within_the_context():
 
 
 def _train(openmoji, run_dir, *extra):
-    return run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
-                   f"run_dir={run_dir}", "train.steps=3", "train.epochs=null", "data.batch_size=16",
-                   "data.num_workers=0", "optim.warmup_steps=1", "train.log_every=1", "train.progress=false",
-                   "train.log_with=[]", "model.arch=mmpt-tiny-vit", "model.lock_text=false",
-                   "model.text_from_targets=false", *extra)
+    return train(openmoji / "train", run_dir, "train.steps=3", "data.batch_size=16", "data.num_workers=0",
+                 "train.log_every=1", "model.arch=mmpt-tiny-vit", "model.lock_text=false",
+                 "model.text_from_targets=false", *extra)
 
 
 def _losses(run_dir):

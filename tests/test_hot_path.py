@@ -12,7 +12,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import ROOT
+from conftest import setup_run
 
 # a scalar read (item(), float(), int(), bool() of a tensor) and data-dependent shapes wait for the
 # device; host copies (cpu(), tolist(), numpy()) too
@@ -61,14 +61,10 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_at_most_one_host_sync_per_step(openmoji, tmp_path, name, monkeypatch):
-    from mmpretrain.config import load_config
-    from mmpretrain.train import loop, setup, train_step
+    from mmpretrain.train import loop, train_step
 
-    cfg = load_config(ROOT / "configs/demo.yaml", [
-        f"data.train={openmoji / 'train'}", f"run_dir={tmp_path / name}", "train.steps=10", "train.epochs=null",
-        "data.batch_size=16", "data.num_workers=0", "optim.warmup_steps=1", "train.progress=false",
-        "train.log_with=[]", *CONFIGS[name]])
-    run = setup(cfg)
+    run = setup_run(openmoji / "train", tmp_path / name, "train.steps=10", "data.batch_size=16", "data.num_workers=0",
+                    *CONFIGS[name])
     batches = iter(run.loader)
     train_step(run, next(batches))  # the first step may set things up
     run.state.step += 1

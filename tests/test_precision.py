@@ -28,25 +28,23 @@ def test_autocast_value_and_gradient_within_3_percent_of_fp32(batch, name, optio
 
 def test_bf16_training_on_cpu(openmoji, tmp_path):
     """train.precision=bf16 runs the mixed-precision path end to end on a CPU (accelerate's CPU bf16
-    autocast), through the command line (accelerate's state is per process): a tiny run, weights kept
-    in fp32, finite losses; fp32 is a spelling of no."""
+    autocast), through the trainer's main (accelerate's process-wide state reset around it): a tiny run,
+    weights kept in fp32, finite losses; fp32 is a spelling of no."""
     import json
 
     from safetensors.torch import load_file
 
     from mmpretrain.config import load_config
 
-    from conftest import ROOT, run_main
+    from conftest import ROOT, SHORT, train
 
-    common = [f"data.train={openmoji / 'train'}", "train.steps=2", "train.epochs=null", "data.batch_size=16",
-              "data.num_workers=0", "optim.warmup_steps=1", "train.log_every=1", "train.progress=false",
-              "train.log_with=[]", "model.arch=mmpt-tiny-vit", "model.lock_text=false", "model.text_from_targets=false",
+    common = [f"data.train={openmoji / 'train'}", *SHORT, "train.steps=2", "data.batch_size=16", "data.num_workers=0",
+              "train.log_every=1", "model.arch=mmpt-tiny-vit", "model.lock_text=false", "model.text_from_targets=false",
               # tiny enough for CPUs that emulate bf16 (~1 GFLOP/s there)
               "model.overrides={embed_dim: 64, vision_cfg: {layers: 1, width: 64, head_width: 32}, "
               "text_cfg: {layers: 1, width: 64, heads: 2}}"]
     assert load_config(ROOT / "configs/demo.yaml", [*common, "train.precision=fp32"]).train.precision == "no"
-    r = run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), *common,
-                f"run_dir={tmp_path / 'bf16'}", "train.precision=bf16")
+    r = train(openmoji / "train", tmp_path / "bf16", *common[1:], "train.precision=bf16")
     assert r.returncode == 0, r.stderr[-3000:]
     log = [json.loads(x) for x in (tmp_path / "bf16/log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2] and all(math.isfinite(r["loss"]) for r in log)

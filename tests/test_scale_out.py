@@ -49,11 +49,10 @@ def test_cc3m_sized_plan_on_64_gpus_x_8_workers_reads_every_sample_once():
 
 def test_fewer_shards_than_readers_trains_with_a_note(openmoji, tmp_path):
     """9 training shards, 1 rank x 10 workers: trains (it was refused) and says why it reads more."""
-    from conftest import run_main
+    from conftest import train
 
-    r = run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
-                f"run_dir={tmp_path / 'run'}", "train.steps=1", "train.epochs=null", "data.batch_size=8",
-                "data.num_workers=10", "optim.warmup_steps=0", "train.progress=false")
+    r = train(openmoji / "train", tmp_path / "run", "train.steps=1", "data.batch_size=8", "data.num_workers=10",
+              "optim.warmup_steps=0")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "note: 10 readers (1 rank(s) x 10 worker(s)) share 9 shard(s)" in r.stderr
 

@@ -19,7 +19,7 @@ from mmpretrain.data.sidecar import attach_embeddings
 from mmpretrain.data.sources import resolve_sources
 from mmpretrain.data.stream import TrainStream, make_loader
 
-from conftest import ROOT, TEXT_MODEL, run_main
+from conftest import ROOT, TEXT_MODEL, run_main, train
 
 
 def _snapshot(folder: Path) -> dict[str, str]:
@@ -59,17 +59,12 @@ def test_embed_beside_shards_it_may_not_write_and_train_from_there(openmoji, tmp
     assert stats["with_embedding"] == stats["samples"]
     # training reads them (data.embeddings), not one sample without its embedding
     run = tmp_path / "run"
-    r = run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={data}",
-                f"data.embeddings={emb}", f"run_dir={run}", "train.steps=3", "train.epochs=null",
-                "data.batch_size=32", "data.num_workers=1", "optim.warmup_steps=1", "train.progress=false",
-                "train.log_with=[]")
+    r = train(data, run, f"data.embeddings={emb}", "train.steps=3", "data.batch_size=32", "data.num_workers=1")
     assert r.returncode == 0, r.stderr[-3000:]
     final = json.loads((run / "log.jsonl").read_text().splitlines()[-1])
     assert final["step"] == 3 and "missing_embedding" not in final.get("skipped", {})
     # without data.embeddings the shards' own folder holds none: refused before training, with the fix
-    r = run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={data}",
-                f"run_dir={tmp_path / 'run2'}", "train.steps=2", "train.epochs=null", "data.num_workers=0",
-                "optim.warmup_steps=1")
+    r = train(data, tmp_path / "run2", "train.steps=2", "data.num_workers=0")
     assert r.returncode == 2 and "data_tools embed" in r.stderr, r.stderr[-2000:]
 
 

@@ -11,13 +11,12 @@ import torch
 
 import mmpretrain
 
-from conftest import ROOT, TEXT_MODEL, run_main
+from conftest import ROOT, TEXT_MODEL, run_main, setup_run, train
 
 
-def train(openmoji: Path, run_dir: Path, *extra: str):
-    r = run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
-                f"run_dir={run_dir}", "train.steps=4", "train.epochs=null", "data.batch_size=32",
-                "data.num_workers=1", "optim.warmup_steps=1", "train.log_every=2", "train.progress=false", *extra)
+def train_4_steps(openmoji: Path, run_dir: Path, *extra: str):
+    r = train(openmoji / "train", run_dir, "train.steps=4", "data.batch_size=32", "data.num_workers=1",
+              "train.log_every=2", *extra)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 
@@ -73,7 +72,7 @@ def test_trimmed_text_padding_is_the_same_function(arch):
 
 def test_slice_train_eval_export_reload(openmoji, tmp_path):
     run_dir = tmp_path / "run"
-    r = train(openmoji, run_dir)
+    r = train_4_steps(openmoji, run_dir)
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 4
     for name in ("config.yaml", "model_config.json", "provenance.json", "log.jsonl", "plots/loss.png",
@@ -156,7 +155,7 @@ def test_slice_train_eval_export_reload(openmoji, tmp_path):
 def test_slice_trainable_open_clip_text_tower(openmoji, tmp_path):
     run_dir = tmp_path / "run_text"
     # targets computed online by the frozen encoder instead of read from the shards
-    train(openmoji, run_dir, "model.arch=mmpt-tiny-vit", "model.lock_text=false", "model.text_from_targets=false",
+    train_4_steps(openmoji, run_dir, "model.arch=mmpt-tiny-vit", "model.lock_text=false", "model.text_from_targets=false",
           "targets.source=online")
     assert "targets: online" in (run_dir / "config.yaml").read_text()
     model, preprocess, tokenizer = mmpretrain.load(str(run_dir))
@@ -215,16 +214,12 @@ TERMS = {"demo_sigmoid.yaml": ("sigmoid_loss", "vrn_loss"), "demo_cwcl.yaml": ("
 
 def test_shipped_cpu_configs_run_steps(openmoji, tmp_path):
     """Every CPU-sized config runs 2 steps on the real data (in one process, one after another)."""
-    from mmpretrain.config import load_config
-    from mmpretrain.train import fit, setup
+    from mmpretrain.train import fit
 
     for config, terms in TERMS.items():
         run_dir = tmp_path / config.replace("/", "_").removesuffix(".yaml")
-        cfg = load_config(ROOT / "configs" / config, [
-            f"data.train={openmoji / 'train'}", f"run_dir={run_dir}", "train.steps=2", "train.epochs=null",
-            "data.batch_size=16", "data.num_workers=0", "optim.warmup_steps=1", "train.log_every=1",
-            "train.progress=false"])
-        fit(setup(cfg))
+        fit(setup_run(openmoji / "train", run_dir, "train.steps=2", "data.batch_size=16", "data.num_workers=0",
+                      "train.log_every=1", config=ROOT / "configs" / config))
         last = json.loads((run_dir / "log.jsonl").read_text().splitlines()[-1])
         assert all(k in last and math.isfinite(last[k]) for k in terms), config
         if "sigmoid" in config:

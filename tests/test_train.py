@@ -14,17 +14,15 @@ from safetensors.torch import load_file
 from mmpretrain.losses.base import Objective
 from mmpretrain.losses.clip import ClipLoss
 
-from conftest import ROOT, run_main
+from conftest import ROOT, setup_run, train
 
-COMMON = ["train.steps=6", "train.epochs=null", "data.batch_size=16", "data.num_workers=2", "data.shuffle_buffer=32",
-          "optim.warmup_steps=2", "train.log_every=1", "train.save_every=3", "train.keep_last=2",
-          "train.progress=false"]
+# tensorboard on: the resume test checks its events
+COMMON = ["train.steps=6", "data.batch_size=16", "data.num_workers=2", "data.shuffle_buffer=32", "optim.warmup_steps=2",
+          "train.log_every=1", "train.save_every=3", "train.keep_last=2", "train.log_with=[tensorboard]"]
 
 
 def _train(openmoji, run_dir, *extra):
-    r = run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
-                f"run_dir={run_dir}", *COMMON, *extra)
-    return r
+    return train(openmoji / "train", run_dir, *COMMON, *extra)
 
 
 def _losses(run_dir):
@@ -92,13 +90,10 @@ class _NanAt:
 
 @pytest.mark.parametrize("mode", ["stop", "skip"])
 def test_nonfinite_loss_is_handled_as_configured(openmoji, tmp_path, mode):
-    from mmpretrain.config import load_config
-    from mmpretrain.train import fit, setup
+    from mmpretrain.train import fit
 
-    cfg = load_config(ROOT / "configs/demo.yaml", [f"data.train={openmoji / 'train'}", f"run_dir={tmp_path / mode}",
-                                                   *COMMON, "train.save_every=1", "data.num_workers=0",
-                                                   f"train.nonfinite={mode}", "train.steps=4"])
-    run = setup(cfg)
+    run = setup_run(openmoji / "train", tmp_path / mode, *COMMON, "train.save_every=1", "data.num_workers=0",
+                    f"train.nonfinite={mode}", "train.steps=4")
     run.objective = _NanAt(run.objective, 2, run)
     ckpts = tmp_path / mode / "checkpoints"
     if mode == "stop":
@@ -211,9 +206,8 @@ def test_hub_push_uses_the_api_and_never_exposes_the_token(openmoji, tmp_path, m
     there is no network); the token is read by huggingface_hub from the environment, never by us."""
     import huggingface_hub
 
-    from mmpretrain.config import load_config
     from mmpretrain.export import main as export_main
-    from mmpretrain.train import fit, setup
+    from mmpretrain.train import fit
 
     secret = "hf_" + "x" * 30
     monkeypatch.setenv("HF_TOKEN", secret)
@@ -227,10 +221,8 @@ def test_hub_push_uses_the_api_and_never_exposes_the_token(openmoji, tmp_path, m
     monkeypatch.setattr(huggingface_hub, "upload_folder", upload)
     monkeypatch.setattr("mmpretrain.train.build.offline", lambda: False)  # the patched Hub is "online"
     run_dir = tmp_path / "run"
-    cfg = load_config(ROOT / "configs/demo.yaml", [f"data.train={openmoji / 'train'}", f"run_dir={run_dir}",
-                                                   *COMMON, "data.num_workers=0", "train.steps=4", "train.save_every=2",
-                                                   "hub={repo_id: me/tiny, push_every: 2, revision: dev}"])
-    fit(setup(cfg))
+    fit(setup_run(openmoji / "train", run_dir, *COMMON, "data.num_workers=0", "train.steps=4", "train.save_every=2",
+                  "hub={repo_id: me/tiny, push_every: 2, revision: dev}"))
     uploads = [c for c in calls if c[0] == "upload"]
     assert [c[2]["path_in_repo"] for c in uploads] == ["checkpoints/step_00000002", "checkpoints/step_00000004"]
     assert all(c[1] == "me/tiny" and c[2]["revision"] == "dev" for c in uploads)
@@ -248,10 +240,8 @@ def test_hub_push_uses_the_api_and_never_exposes_the_token(openmoji, tmp_path, m
     # both folders start a new run: model.pretrained=<run folder> (its latest checkpoint) or an export
     trained = load_file(run_dir / "checkpoints/step_00000004/model.safetensors")
     for source in (run_dir, out):
-        cfg2 = load_config(ROOT / "configs/demo.yaml", [f"data.train={openmoji / 'train'}", *COMMON,
-                                                        f"run_dir={tmp_path / ('from_' + source.name)}",
-                                                        "data.num_workers=0", f"model.pretrained={source}"])
-        run2 = setup(cfg2)
+        run2 = setup_run(openmoji / "train", tmp_path / ("from_" + source.name), *COMMON, "data.num_workers=0",
+                         f"model.pretrained={source}")
         state = run2.accelerator.unwrap_model(run2.model).state_dict()
         for k in ("clip.visual.conv1.weight", "clip.logit_scale", "clip.text.proj.weight"):
             assert torch.equal(state[k], trained[k]), (source, k)
@@ -309,9 +299,8 @@ def test_objectives_receive_the_stream_epoch_across_a_dropped_remainder_and_a_re
     """The step context: ``epoch`` is the 1-based stream epoch of the batch (not a sample count, which
     lags when epoch mode drops each epoch's remainder), also after a mid-epoch resume; what an
     objective declares (labels, sample indices) reaches it."""
-    from mmpretrain.config import load_config
     from mmpretrain.losses import LOSSES
-    from mmpretrain.train import fit, setup
+    from mmpretrain.train import fit
 
     monkeypatch.setitem(LOSSES, "recording", _Recording)
     n = sum(json.loads((openmoji / "train/sizes.json").read_text()).values())
@@ -319,13 +308,12 @@ def test_objectives_receive_the_stream_epoch_across_a_dropped_remainder_and_a_re
     assert n % 16, "the data must leave a remainder for this test"
     steps, save = per_epoch + 3, per_epoch - 2  # into the second epoch; a checkpoint mid-epoch 1
 
-    def config(run_dir):
-        return load_config(ROOT / "configs/demo.yaml", [
-            f"data.train={openmoji / 'train'}", f"run_dir={run_dir}", *COMMON, "data.num_workers=0",
-            f"train.steps={steps}", f"train.save_every={save}", "train.keep_last=5", "loss=[{name: recording}]"])
+    def run(run_dir):
+        return setup_run(openmoji / "train", run_dir, *COMMON, "data.num_workers=0", f"train.steps={steps}",
+                         f"train.save_every={save}", "train.keep_last=5", "loss=[{name: recording}]")
 
     _Recording.calls = []
-    fit(setup(config(tmp_path / "a")))
+    fit(run(tmp_path / "a"))
     calls = _Recording.calls
     assert [c["step"] for c in calls] == list(range(steps))
     assert [c["epoch"] for c in calls] == [1] * per_epoch + [2] * 3
@@ -343,7 +331,7 @@ def test_objectives_receive_the_stream_epoch_across_a_dropped_remainder_and_a_re
         if p.name != f"step_{save:08d}":
             shutil.rmtree(p)
     _Recording.calls = []
-    fit(setup(config(b)))
+    fit(run(b))
     assert [(c["step"], c["epoch"]) for c in _Recording.calls] == [(c["step"], c["epoch"]) for c in calls[save:]]
     assert [c["index"] for c in _Recording.calls] == [c["index"] for c in calls[save:]]
 
@@ -351,14 +339,11 @@ def test_objectives_receive_the_stream_epoch_across_a_dropped_remainder_and_a_re
 def test_evaluation_during_training_keeps_a_locked_tower_locked(openmoji, tmp_path):
     """LiT: a locked text tower runs without dropout. Evaluating during training must leave it so: the
     tower is still in eval mode after each evaluation, and the losses equal a run without evaluations."""
-    from mmpretrain.config import load_config
-    from mmpretrain.train import fit, setup
+    from mmpretrain.train import fit
 
     def run(name, *extra):
-        cfg = load_config(ROOT / "configs/demo.yaml", [
-            f"data.train={openmoji / 'train'}", f"run_dir={tmp_path / name}", *COMMON, "data.num_workers=0",
-            "train.steps=3", "train.save_every=null", "model.text_from_targets=false", *extra])
-        r = setup(cfg)
+        r = setup_run(openmoji / "train", tmp_path / name, *COMMON, "data.num_workers=0", "train.steps=3",
+                      "train.save_every=null", "model.text_from_targets=false", *extra)
         fit(r)
         return r, [x["loss"] for x in map(json.loads, (tmp_path / name / "log.jsonl").read_text().splitlines())
                    if "loss" in x]

@@ -250,7 +250,7 @@ def test_a_dataset_wide_embedding_dimension_mismatch_is_refused_before_training(
     embeddings have another: exit 2 before any step."""
     import shutil
 
-    from conftest import ROOT, in_tar_copy, run_main
+    from conftest import in_tar_copy, train
 
     data = tmp_path / "train"
     if layout == "sidecar":
@@ -262,9 +262,7 @@ def test_a_dataset_wide_embedding_dimension_mismatch_is_refused_before_training(
     meta = json.loads(record.read_text())
     (meta if layout == "sidecar" else meta["embedding"])["dim"] = 128
     record.write_text(json.dumps(meta))
-    r = run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={data}",
-                f"run_dir={tmp_path / 'run'}", "train.steps=2", "train.epochs=null", "data.num_workers=0",
-                "optim.warmup_steps=1")
+    r = train(data, tmp_path / "run", "train.steps=2", "data.num_workers=0")
     assert r.returncode == 2, r.stderr[-2000:]
     assert ("rows of shape (384,)" if layout == "sidecar" else "emb.npy has shape (384,)") in r.stderr
     assert "dimension 128" in r.stderr
@@ -283,11 +281,9 @@ def test_an_image_over_the_pixel_cap_is_skipped_before_decoding():
 
 
 def _train_cli(data, run_dir, *extra):
-    from conftest import ROOT, run_main
+    from conftest import train
 
-    return run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={data}",
-                   f"run_dir={run_dir}", "train.steps=3", "train.epochs=null", "data.batch_size=16",
-                   "optim.warmup_steps=1", "train.log_every=1", "train.progress=false", "train.log_with=[]", *extra)
+    return train(data, run_dir, "train.steps=3", "data.batch_size=16", "train.log_every=1", *extra)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

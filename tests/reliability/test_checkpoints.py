@@ -11,23 +11,18 @@ import pytest
 
 from mmpretrain.train.checkpoint import verify_checkpoint
 
-from conftest import ROOT, run_main
-
-ARGS = ["train.epochs=null", "data.batch_size=16", "data.num_workers=0", "optim.warmup_steps=1", "train.log_every=1",
-        "train.save_every=2", "train.keep_last=5", "train.progress=false", "train.log_with=[]"]
+from conftest import DEMO_RUN, train
 
 
-def _train(openmoji, run_dir, steps):
-    return run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
-                   f"run_dir={run_dir}", f"train.steps={steps}", *ARGS)
+def _train(openmoji, run_dir, steps, *extra):
+    """The demo run's command (conftest.DEMO_RUN) for ``steps``: a copy of the run resumes with it."""
+    return train(openmoji / "train", run_dir, f"train.steps={steps}", *DEMO_RUN, *extra)
 
 
-@pytest.fixture(scope="module")
-def run4(openmoji, tmp_path_factory):
-    run = tmp_path_factory.mktemp("ckpt") / "run"
-    r = _train(openmoji, run, 4)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return run
+@pytest.fixture
+def run4(demo_run):
+    """The session's demo run: 4 steps, checkpoints at 2 and 4 (tests copy it before changing anything)."""
+    return demo_run
 
 
 def _truncate(p):
@@ -82,9 +77,7 @@ def test_no_intact_checkpoint_is_refused_with_the_fix(openmoji, run4, tmp_path):
         (c / "train_state.json").unlink()
     r = _train(openmoji, run, 6)
     assert r.returncode == 2 and "without train_state.json" in r.stderr, r.stderr[-2000:]
-    r = run_main(
-        "mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
-        f"run_dir={tmp_path / 'other'}", "train.steps=6", f"resume={run4 / 'checkpoints/step_00000004'}", *ARGS)
+    r = _train(openmoji, tmp_path / "other", 6, f"resume={run4 / 'checkpoints/step_00000004'}")
     assert r.returncode == 0, r.stderr[-2000:]  # an intact checkpoint named with resume= still works
 
 
@@ -143,8 +136,7 @@ def test_a_pretrained_file_with_pickled_objects_is_refused_in_one_line(openmoji,
     bad = tmp_path / "weights.pt"
     weights = load_file(run4 / "checkpoints/step_00000004/model.safetensors")
     torch.save({"state_dict": {k.removeprefix("clip."): v for k, v in weights.items()}, "extra": Foreign()}, bad)
-    r = run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
-                 f"run_dir={tmp_path / 'run'}", "train.steps=2", f"model.pretrained={bad}", *ARGS)
+    r = _train(openmoji, tmp_path / "run", 2, f"model.pretrained={bad}")
     assert r.returncode == 2, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
@@ -155,6 +147,5 @@ def test_a_pretrained_file_with_pickled_objects_is_refused_in_one_line(openmoji,
     # the same weights as a weights-only file start a run
     good = tmp_path / "good.pt"
     torch.save({"state_dict": {k.removeprefix("clip."): v for k, v in weights.items()}}, good)
-    r = run_main("mmpretrain.train", "--config", str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}",
-                 f"run_dir={tmp_path / 'run2'}", "train.steps=2", f"model.pretrained={good}", *ARGS)
+    r = _train(openmoji, tmp_path / "run2", 2, f"model.pretrained={good}")
     assert r.returncode == 0, r.stderr[-2000:]
