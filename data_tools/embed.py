@@ -63,7 +63,7 @@ def embedding_folders(folders: list[Path], out: str | Path | None) -> list[Path 
     return [Path(out) / f.name if len(folders) > 1 else Path(out) for f in folders]
 
 
-def targets(path: str, out: str | Path | None) -> list[tuple[Source, Path, Path | None]]:
+def embed_jobs(path: str, out: str | Path | None) -> list[tuple[Source, Path, Path | None]]:
     """``(source, embedding folder, dataset folder or None)`` for each dataset ``path`` names: a local
     dataset folder or a folder of split folders, or a shard pattern (local or remote; needs ``--out``
     unless its folder is local)."""
@@ -201,7 +201,7 @@ def embed(path: str | Path, model: str, *, out: str | Path | None = None, overwr
     """Embed every dataset ``path`` names into its embedding folder (``out``, default: the dataset
     folder); under ``accelerate launch`` each rank takes every world-th shard. A re-run skips shards
     already embedded with ``model``; ``overwrite`` embeds every shard again (and may change the model)."""
-    jobs = targets(str(path), out)
+    jobs = embed_jobs(str(path), out)
     for _, emb_dir, dataset in jobs:  # refuse before loading anything
         check_model(emb_dir, dataset, model, overwrite)
         for p in (emb_dir, *emb_dir.parents):

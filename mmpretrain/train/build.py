@@ -96,11 +96,11 @@ def target_source(cfg: ExperimentConfig, sources: list[Source], objective: Weigh
         raise ConfigError(str(e)) from None
 
 
-def embedding_dim(cfg: ExperimentConfig, sources: list[Source], targets: str, model: Model) -> int | None:
+def embedding_dim(cfg: ExperimentConfig, sources: list[Source], target_from: str, model: Model) -> int | None:
     """The stored caption embeddings' dimension (targets from the shards), checked before training
     (:func:`mmpretrain.data.sidecar.stored_dim`) and, with ``text_from_targets``, against the text
     tower's input."""
-    if targets != "shards":
+    if target_from != "shards":
         return None
     try:
         dim = stored_dim(sources, cfg.targets.model)
@@ -145,7 +145,7 @@ def build_model(cfg: ExperimentConfig, objective: WeightedObjective) -> Model:
     return Model(module, model_cfg, factory.default_preprocess_cfg(model_cfg))
 
 
-def build_loader(cfg: ExperimentConfig, data: Data, model: Model, objective: WeightedObjective, targets: str,
+def build_loader(cfg: ExperimentConfig, data: Data, model: Model, objective: WeightedObjective, target_from: str,
                  position: StreamPosition | None, rank: int, pin_memory: bool, embedding_dim: int | None = None,
                  transform=None):
     """The rank's loader; ``position``: a restored stream position to continue from (None: the start);
@@ -154,7 +154,7 @@ def build_loader(cfg: ExperimentConfig, data: Data, model: Model, objective: Wei
     transform = transform or image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=True)
     decoder = SampleDecoder(
         transform,
-        embeddings={"shards": "require", "online": "ignore", "none": "ignore"}[targets],
+        embeddings={"shards": "require", "online": "ignore", "none": "ignore"}[target_from],
         draft_size=max(size) if isinstance(size, (list, tuple)) else size,
         labels=objective.needs_labels, embedding_dim=embedding_dim, max_pixels=cfg.data.max_pixels,
     )
@@ -169,12 +169,12 @@ def make_optimizer(cfg: ExperimentConfig, module: torch.nn.Module) -> torch.opti
                              fused=o.implementation == "fused" or None, foreach=o.implementation == "foreach")
 
 
-def write_run_files(files: RunFolder, cfg: ExperimentConfig, data: Data, model: Model, targets: str,
+def write_run_files(files: RunFolder, cfg: ExperimentConfig, data: Data, model: Model, target_from: str,
                     world_size: int, records: list[dict[str, Any]]) -> None:
     """config.yaml (resolved), model_config.json, provenance.json (with the training data's manifests)
     and log.jsonl (the records kept from before a resume). Main process."""
     files.root.mkdir(parents=True, exist_ok=True)
-    resolved = dict(asdict(data.schedule), targets=targets, readers_per_rank=data.plan.workers,
+    resolved = dict(asdict(data.schedule), targets=target_from, readers_per_rank=data.plan.workers,
                     dropped_per_epoch=data.plan.dropped_per_epoch)
     files.config.write_text(to_yaml(cfg, resolved))
     files.write_model_config(model.model_cfg, model.preprocess_cfg)
@@ -223,8 +223,8 @@ def setup(cfg: ExperimentConfig) -> Run:
     # sample indices run over every source's shards (sizes.json): the per-sample tables' length
     objective = build_objective_for(cfg, rank, world, data.schedule.num_samples,
                                     index_size=sum(s.num_samples for s in data.sources))
-    targets = target_source(cfg, data.sources, objective)
-    if targets == "online":
+    target_from = target_source(cfg, data.sources, objective)  # shards / online / none
+    if target_from == "online":
         try:
             require_model(cfg.targets.model, "targets.model")
         except ValueError as e:
@@ -236,18 +236,18 @@ def setup(cfg: ExperimentConfig) -> Run:
     state = TrainState(build_position(data.plan, saved, rank, world, ckpt))
     # the augmentation ends in uint8 in the loader; normalisation runs on the device (train_step)
     transform, normalize = split_normalize(image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=True))
-    loader = build_loader(cfg, data, model, objective, targets, state.position if saved is not None else None, rank,
-                          acc.device.type == "cuda", embedding_dim(cfg, data.sources, targets, model), transform)
+    loader = build_loader(cfg, data, model, objective, target_from, state.position if saved is not None else None, rank,
+                          acc.device.type == "cuda", embedding_dim(cfg, data.sources, target_from, model), transform)
     configure_engine(cfg, acc, data.schedule)
     if cfg.train.channels_last:
         model.module.to(memory_format=torch.channels_last)
     module, optimizer = acc.prepare(model.module, make_optimizer(cfg, model.module))
     objective.to(acc.device)
-    target_encoder = load_target_encoder(cfg.targets.model, str(acc.device)) if targets == "online" else None
+    target_encoder = load_target_encoder(cfg.targets.model, str(acc.device)) if target_from == "online" else None
     records = restore_state(acc, objective, state, files, ckpt, saved) if saved is not None else []
     acc.wait_for_everyone()
     if acc.is_main_process:
-        write_run_files(files, cfg, data, model, targets, world, records)
+        write_run_files(files, cfg, data, model, target_from, world, records)
     acc.wait_for_everyone()
     evaluator = None
     if cfg.eval is not None:

@@ -77,7 +77,7 @@ def total_of(out: dict[str, torch.Tensor]) -> torch.Tensor:
     return sum(v for k, v in out.items() if k.endswith("_loss"))
 
 
-def forward_backward(accelerator, model, objective, images, tokens=None, targets=None, *,
+def forward_backward(accelerator, model, objective, images, tokens=None, target_emb=None, *,
                      micro_batch: int | None = None, mode: str = "grad_cache",
                      finite: Callable[[torch.Tensor], bool] | None = None,
                      context: dict[str, Any] | None = None) -> StepResult:
@@ -95,8 +95,8 @@ def forward_backward(accelerator, model, objective, images, tokens=None, targets
     kw = context or {}
     if not micro_batch or micro_batch >= B:
         with acc.autocast():
-            feats = for_objective(model(images, tokens=tokens, target_embeddings=targets), images.device)
-            out = objective(**feats, target_embeddings=targets, **kw)
+            feats = for_objective(model(images, tokens=tokens, target_embeddings=target_emb), images.device)
+            out = objective(**feats, target_embeddings=target_emb, **kw)
         total = total_of(out)
         ok = finite is None or finite(total)
         if ok:
@@ -108,9 +108,9 @@ def forward_backward(accelerator, model, objective, images, tokens=None, targets
         for j, s in enumerate(chunks):
             with acc.no_sync(model) if j < len(chunks) - 1 else nullcontext():
                 with acc.autocast():
-                    feats = for_objective(model(images[s], tokens=_sub(tokens, s), target_embeddings=_sub(targets, s)),
+                    feats = for_objective(model(images[s], tokens=_sub(tokens, s), target_embeddings=_sub(target_emb, s)),
                                           images.device)
-                    o = objective(**feats, target_embeddings=_sub(targets, s),
+                    o = objective(**feats, target_embeddings=_sub(target_emb, s),
                                   **{k: _sub(v, s) if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
                 acc.backward(total_of(o) / len(chunks))
             outs.append({k: v.detach() for k, v in o.items()})
@@ -128,7 +128,7 @@ def forward_backward(accelerator, model, objective, images, tokens=None, targets
         for s in chunks:
             states.append(_rng_state(device))
             with acc.autocast():
-                f = model(images[s], tokens=_sub(tokens, s), target_embeddings=_sub(targets, s))
+                f = model(images[s], tokens=_sub(tokens, s), target_embeddings=_sub(target_emb, s))
             img.append(f["image_features"])
             txt.append(f["text_features"])
     after = _rng_state(device)
@@ -143,7 +143,7 @@ def forward_backward(accelerator, model, objective, images, tokens=None, targets
     txt = _full(torch.cat(txt).detach()).requires_grad_()
     with torch.autocast(device.type, enabled=False):
         out = objective(image_features=img, text_features=txt, logit_scale=scale, logit_bias=bias,
-                        target_embeddings=targets, **kw)
+                        target_embeddings=target_emb, **kw)
     total = total_of(out)
     if finite is not None and not finite(total):
         return _result(out, total, img, txt, False, scale)
@@ -153,7 +153,7 @@ def forward_backward(accelerator, model, objective, images, tokens=None, targets
         _set_rng_state(states[j], device)
         with acc.no_sync(model) if not last else nullcontext():
             with acc.autocast():
-                f = model(images[s], tokens=_sub(tokens, s), target_embeddings=_sub(targets, s))
+                f = model(images[s], tokens=_sub(tokens, s), target_embeddings=_sub(target_emb, s))
                 surrogate = (f["image_features"] * img.grad[s]).sum() + (f["text_features"] * txt.grad[s]).sum()
                 if last and scale.grad is not None:
                     surrogate = surrogate + (f["logit_scale"] * scale.grad).sum()

@@ -59,18 +59,18 @@ def train_step(run: Run, batch: dict[str, Any]) -> StepResult:
         images = images.contiguous(memory_format=torch.channels_last)
     if run.input_dtype is not None:  # DeepSpeed's bf16/fp16 weights; accelerate's autocast is off there
         images = images.to(run.input_dtype)
-    targets = batch.get("target_embeddings")
+    target_emb = batch.get("target_embeddings")
     if run.target_encoder is not None:
         with torch.no_grad():
-            targets = run.target_encoder.encode(batch["texts"], convert_to_tensor=True, normalize_embeddings=True)
-    if targets is not None:
-        targets = targets.to(acc.device, non_blocking=True).float()
+            target_emb = run.target_encoder.encode(batch["texts"], convert_to_tensor=True, normalize_embeddings=True)
+    if target_emb is not None:
+        target_emb = target_emb.to(acc.device, non_blocking=True).float()
     tokens = batch.get("tokens")
     if tokens is not None:
         if run.trim_text:  # on the host copy: the used length read on the device would be a sync
             tokens = trim_padding(tokens, cfg.train.text_length_multiple)
         tokens = tokens.to(acc.device, non_blocking=True)
-    res = forward_backward(acc, run.model, run.objective, images, tokens, targets,
+    res = forward_backward(acc, run.model, run.objective, images, tokens, target_emb,
                            micro_batch=cfg.train.micro_batch_size, mode=cfg.train.micro_batch_mode,
                            finite=lambda loss: agree_finite(acc, loss),
                            context=step_context(run.objective, st.step, batch, acc.device))

@@ -13,9 +13,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from perf_table import write_block  # this script's folder is on sys.path
-
 from mmpretrain.config.reference import table
+
+from perf_table import write_block  # this script's folder is on sys.path
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "usage.md"
