@@ -9,22 +9,24 @@ import pytest
 from conftest import ROOT
 
 
+def _generated(script: str, doc: str, marker: str) -> tuple[str, str]:
+    """What ``script`` prints, and what ``doc`` holds between its ``marker`` start/end comments."""
+    table = subprocess.run([sys.executable, str(ROOT / "scripts/reports" / script)], capture_output=True,
+                           text=True, check=True).stdout.strip()
+    text = (ROOT / "docs" / doc).read_text()
+    return table, text.split(f"<!-- {marker}:start -->", 1)[1].split(f"<!-- {marker}:end -->", 1)[0].strip()
+
+
 @pytest.mark.integration  # starts processes (or builds real data): not in make test-unit
 def test_performance_table_matches_the_bench_results():
-    table = subprocess.run([sys.executable, str(ROOT / "scripts/reports/perf_table.py")], capture_output=True,
-                           text=True, check=True).stdout.strip()
-    doc = (ROOT / "docs/performance.md").read_text()
-    block = doc.split("<!-- perf-table:start -->", 1)[1].split("<!-- perf-table:end -->", 1)[0].strip()
+    table, block = _generated("perf_table.py", "performance.md", "perf-table")
     assert block == table, "docs/performance.md's table is stale: run python scripts/reports/perf_table.py --write"
     assert table.count("\n") >= 5 and "`python scripts/bench/bench_" in table
 
 
 @pytest.mark.integration  # starts processes (or builds real data): not in make test-unit
 def test_usage_config_table_lists_every_key():
-    table = subprocess.run([sys.executable, str(ROOT / "scripts/reports/config_table.py")], capture_output=True,
-                           text=True, check=True).stdout.strip()
-    doc = (ROOT / "docs/usage.md").read_text()
-    block = doc.split("<!-- config-table:start -->", 1)[1].split("<!-- config-table:end -->", 1)[0].strip()
+    table, block = _generated("config_table.py", "usage.md", "config-table")
     assert block == table, "docs/usage.md's config table is stale: run python scripts/reports/config_table.py --write"
     from mmpretrain.config import config_defaults
 

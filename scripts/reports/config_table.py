@@ -9,13 +9,12 @@ A test keeps the doc's table equal to what this prints: a key added to the confi
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from mmpretrain.config.reference import table
 
-from perf_table import write_block  # this script's folder is on sys.path
+from perf_table import table_main  # this script's folder is on sys.path
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "usage.md"
@@ -23,17 +22,7 @@ START, END = "<!-- config-table:start -->", "<!-- config-table:end -->"
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--write", action="store_true", help="rewrite docs/usage.md's table")
-    text = table()
-    if not p.parse_args().write:
-        print(text)
-        return 0
-    if not write_block(DOC, START, END, text):
-        print(f"error: {DOC} lacks the {START} ... {END} markers", file=sys.stderr)
-        return 2
-    print(f"{DOC.relative_to(ROOT)} config table: {len(text.splitlines()) - 2} keys")
-    return 0
+    return table_main(__doc__, DOC, START, END, table, "config table: {n} keys")
 
 
 if __name__ == "__main__":

@@ -92,17 +92,24 @@ def table() -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--write", action="store_true", help="rewrite docs/performance.md's table")
+    return table_main(__doc__, DOC, START, END, table, "performance table: {n} rows")
+
+
+def table_main(description: str, doc: Path, start: str, end: str, make, done: str) -> int:
+    """A table generator's command line: print ``make()``'s table, or with ``--write`` put it between
+    ``doc``'s markers and say so (``done`` formatted with the table's row count ``n``); exit 2 when a
+    marker is missing. Shared with config_table.py."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--write", action="store_true", help=f"rewrite {doc.relative_to(ROOT)}'s table")
     args = p.parse_args()
-    text = table()
+    text = make()
     if not args.write:
         print(text)
         return 0
-    if not write_block(DOC, START, END, text):
-        print(f"error: {DOC} lacks the {START} ... {END} markers", file=sys.stderr)
+    if not write_block(doc, start, end, text):
+        print(f"error: {doc} lacks the {start} ... {end} markers", file=sys.stderr)
         return 2
-    print(f"{DOC.relative_to(ROOT)} performance table: {len(text.splitlines()) - 2} rows")
+    print(f"{doc.relative_to(ROOT)} " + done.format(n=len(text.splitlines()) - 2))
     return 0
 
 

@@ -25,6 +25,17 @@ def run4(demo_run):
     return demo_run
 
 
+def _resume_damaged(openmoji, run4, tmp_path, damage, name="run"):
+    """A copy of the demo run with ``damage(checkpoints folder)`` done to it, resumed to step 6: it must
+    finish (exit 0); returns the run folder and the result."""
+    run = tmp_path / name
+    shutil.copytree(run4, run)
+    damage(run / "checkpoints")
+    r = _train(openmoji, run, 6)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run, r
+
+
 def _truncate(p):
     p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
 
@@ -53,11 +64,7 @@ def test_verify_names_each_kind_of_damage(run4, tmp_path, kind):
 
 
 def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact(openmoji, run4, tmp_path):
-    run = tmp_path / "run"
-    shutil.copytree(run4, run)
-    _truncate(run / "checkpoints/step_00000004/model.safetensors")
-    r = _train(openmoji, run, 6)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run, r = _resume_damaged(openmoji, run4, tmp_path, lambda c: _truncate(c / "step_00000004/model.safetensors"))
     assert "skipped" in r.stderr and "step_00000004: model.safetensors" in r.stderr
     assert "resumed from" in r.stderr and "step_00000002 at step 2" in r.stderr
     log = [json.loads(x)["step"] for x in (run / "log.jsonl").read_text().splitlines()]
@@ -82,11 +89,7 @@ def test_no_intact_checkpoint_is_refused_with_the_fix(openmoji, run4, tmp_path):
 
 
 def test_a_lost_rng_state_resumes_with_a_warning_and_is_recorded(openmoji, run4, tmp_path):
-    run = tmp_path / "run"
-    shutil.copytree(run4, run)
-    (run / "checkpoints/step_00000004/random_states_0.pkl").unlink()
-    r = _train(openmoji, run, 6)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run, r = _resume_damaged(openmoji, run4, tmp_path, lambda c: (c / "step_00000004/random_states_0.pkl").unlink())
     assert "random_states_0.pkl: missing" in r.stderr and "not bit-exact" in r.stderr
     state = json.loads((run / "checkpoints/step_00000006/train_state.json").read_text())
     assert state["exact_resume"] is False
@@ -110,20 +113,13 @@ def test_an_optimizer_with_pickled_objects_is_skipped_like_any_damage(openmoji, 
     _pickled_objects(ckpt / "optimizer.bin")
     problems, _ = verify_checkpoint(ckpt, world_size=1)
     assert problems and "optimizer.bin: holds pickled objects" in problems[0], problems
-    run = tmp_path / "run"
-    shutil.copytree(run4, run)
-    _pickled_objects(run / "checkpoints/step_00000004/optimizer.bin")
-    r = _train(openmoji, run, 6)
-    assert r.returncode == 0, r.stderr[-3000:]
+    _, r = _resume_damaged(openmoji, run4, tmp_path, lambda c: _pickled_objects(c / "step_00000004/optimizer.bin"))
     assert "Traceback" not in r.stderr and "UnpicklingError" not in r.stderr
     assert "skipped" in r.stderr and "step_00000004: optimizer.bin: holds pickled objects" in r.stderr
     assert "resumed from" in r.stderr and "step_00000002 at step 2" in r.stderr
     # an RNG state with objects in it: resumed without it, not bit-exact, said so
-    run = tmp_path / "rng"
-    shutil.copytree(run4, run)
-    _pickled_objects(run / "checkpoints/step_00000004/random_states_0.pkl")
-    r = _train(openmoji, run, 6)
-    assert r.returncode == 0, r.stderr[-3000:]
+    _, r = _resume_damaged(openmoji, run4, tmp_path, lambda c: _pickled_objects(c / "step_00000004/random_states_0.pkl"),
+                           "rng")
     assert "random_states_0.pkl: holds pickled objects" in r.stderr and "not bit-exact" in r.stderr
 
 
