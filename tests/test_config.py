@@ -40,8 +40,9 @@ def test_schedule_resolution():
 
     s = resolve_schedule(cfg, plan(105).steps_per_epoch, 105, world_size=2)
     assert s.steps_per_epoch == 5 and s.total_steps == 10 and s.warmup_steps == 1
-    # 2 ranks x 2 readers x 10: 80 of 105 samples per epoch, 4 steps; 25 dropped
-    assert plan(105, 2).steps_per_epoch == 4 and plan(105, 2).dropped_per_epoch == 25
+    # 2 ranks x 10: 100 of 105 samples per epoch, 5 steps, whatever the workers; 5 dropped (it was 25 with 2
+    # workers: each worker made whole batches of its own)
+    assert plan(105, 2).steps_per_epoch == 5 and plan(105, 2).dropped_per_epoch == 5
     with pytest.raises(ValueError, match="lower data.batch_size"):
         plan(15)
 

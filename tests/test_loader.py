@@ -70,9 +70,9 @@ def test_one_epoch_is_every_sample_once_minus_the_stated_remainder(openmoji):
     everything = _all_keys(openmoji / "train")
     assert plan.num_samples == len(everything) > R * W * B
     keys, skipped = _epoch_keys(plan)
-    assert len(keys) == len(set(keys)) == R * W * plan.per_reader  # nothing twice
+    assert len(keys) == len(set(keys)) == R * plan.steps_per_epoch * B  # nothing twice
     assert set(keys) <= set(everything)
-    assert skipped == {"dropped_remainder": len(everything) - len(keys)} and plan.dropped_per_epoch < R * W * B
+    assert skipped == {"dropped_remainder": len(everything) - len(keys)} and plan.dropped_per_epoch < R * B
     # the next epoch is a different order of the same samples
     nxt = [k for rank in range(R) for b in _batches(plan, rank, 2 * plan.steps_per_epoch)[plan.steps_per_epoch:]
            for k in b["keys"]]
@@ -113,6 +113,46 @@ def test_resume_refuses_a_different_layout(openmoji):
     other = StreamPlan(plan.sources, "epoch", 0, R, W, 2 * B, plan.num_samples, 16)
     with pytest.raises(ValueError, match="batch_size: saved 8, now 16"):
         StreamPosition(other, state)
+
+
+def test_uneven_worker_shares_keep_epochs_whole_and_resume_exact(openmoji):
+    """A batch size that gives an odd number of steps an epoch on 2 ranks, so worker 0 makes one batch
+    more of epoch 0 than worker 1, and epoch 1 opens on worker 1. The DataLoader's round robin still
+    gives the rank its epochs whole and in order, every sample once but the remainder (< one global
+    batch), and resume across the boundary is bit-identical."""
+    base = _plan(openmoji / "train")
+    B = next(b for b in range(7, 40) if (base.num_samples // (R * b)) % W == 1)
+    plan = StreamPlan(base.sources, "epoch", 0, R, W, B, base.num_samples, 16)
+    S = plan.steps_per_epoch
+    assert S % W == 1 and plan.worker_batches(0, 0) == plan.worker_batches(0, 1) + 1 and plan.first_worker(1) == 1
+    keys, skipped = [], Counter()
+    for rank in range(R):
+        run = _batches(plan, rank, 2 * S + 2)
+        assert [b["epoch"] for b in run] == [0] * S + [1] * S + [2] * 2
+        assert [b["worker"] for b in run] == [n % W for n in range(2 * S + 2)]
+        for b in run[:S]:
+            keys += b["keys"]
+            skipped.update(b["skipped"])
+        pos = StreamPosition(plan)
+        for n, b in enumerate(run, 1):
+            pos.advance(b)
+            if n in (S - 1, S, S + 1):
+                assert pos.epoch == (n >= S)
+                state = json.loads(json.dumps(pos.state()))
+                for a, c in zip(run[n:n + 2], _batches(plan, rank, 2, start=state)):
+                    _same(a, c)
+    assert len(keys) == len(set(keys)) == R * S * B
+    assert skipped == {"dropped_remainder": plan.num_samples - len(keys)} and plan.dropped_per_epoch < R * B
+
+
+def test_a_position_of_the_old_layout_is_refused(openmoji):
+    """Positions saved before the reader layout changed (no 'layout' in their plan) are refused with the
+    fix, not resumed onto other samples."""
+    plan = _plan(openmoji / "train")
+    state = StreamPosition(plan).state()
+    del state["plan"]["layout"]
+    with pytest.raises(ValueError, match="layout: saved None, now 2.*model.pretrained=CHECKPOINT"):
+        StreamPosition(plan, state)
 
 
 def _rewrite(shard: Path, change: dict[str, dict[str, bytes | None]]) -> None:
@@ -158,7 +198,7 @@ def test_bad_samples_are_skipped_counted_and_replaced_from_spares(openmoji, tmp_
     assert {k: v for k, v in skipped.items() if k in expected} == expected
     assert skipped["repeated_to_fill"] == 1
     assert not set(keys) & set(bad)
-    assert len(keys) == R * W * plan.per_reader and len(set(keys)) == len(keys) - 1
+    assert len(keys) == R * plan.steps_per_epoch * B and len(set(keys)) == len(keys) - 1
     good = set(_all_keys(data)) - set(bad)
     # every good sample is seen once, except the part of the remainder no reader's spares took:
     # each reader used its one spare for its bad sample
@@ -175,7 +215,7 @@ def test_truncated_shard_counts_its_lost_samples(openmoji, tmp_path):
     keys, skipped = _epoch_keys(plan)
     lost = skipped["missing_in_shard"] + skipped["unreadable_shard"]
     assert lost > 0
-    assert len(keys) == R * W * plan.per_reader
+    assert len(keys) == R * plan.steps_per_epoch * B
     assert len(set(keys)) + skipped["repeated_to_fill"] == len(keys)
 
 
@@ -193,7 +233,7 @@ def test_resampled_mode_follows_source_weights(openmoji):
     share = draws[True] / sum(draws.values())
     assert abs(share - 0.75) < 0.02  # 10,000 draws: standard error 0.004
     # the stream runs on it, with the stated budget per epoch
-    assert plan.steps_per_epoch == W * (300 // (R * W * B))
+    assert plan.steps_per_epoch == 300 // (R * B)
     keys = [k for b_ in _batches(plan, 0, plan.steps_per_epoch + 1) for k in b_["keys"]]
     assert len(keys) == (plan.steps_per_epoch + 1) * B
 

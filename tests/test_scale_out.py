@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_cc3m_sized_plan_on_64_gpus_x_8_workers_reads_every_sample_once():
     """~330 img2dataset shards (CC3M: ~2.9M pairs at ~8,800 per shard, the last one short) for 512
     readers: more readers than shards is a valid plan (it was refused), every sample of an epoch is in
-    exactly one reader's range but the stated remainder, every reader gets the same count."""
+    exactly one reader's range but the stated remainder, readers' counts differ by at most one batch."""
     sizes = [8_800] * 329 + [4_321]
     sources = [Source("cc3m", [f"s3://bucket/cc3m/{i:05d}.tar" for i in range(len(sizes))], sizes)]
     plan = StreamPlan(sources, "epoch", 0, world_size=64, workers=8, batch_size=128,
@@ -35,16 +35,45 @@ def test_cc3m_sized_plan_on_64_gpus_x_8_workers_reads_every_sample_once():
         owner = {}
         for reader in range(plan.readers):
             main, spares = plan.reader_layout(epoch, reader)
-            assert sum(s.stop - s.start for s in main) == plan.per_reader
+            assert sum(s.stop - s.start for s in main) == plan.reader_length(epoch, reader % plan.workers)
             for seg in main + spares:
                 for i in range(seg.start, seg.stop, 97):  # a sample every 97 (the full set is 2.9M)
                     assert owner.setdefault((seg.shard, i), reader) == reader, (seg, reader)
             assert all(plan.offsets[s.shard] + s.stop <= plan.offsets[s.shard] + plan.sizes[s.shard] for s in main)
-        # every position is covered: the ranges of all readers tile [0, readers * per_reader)
+        # every position is covered: the ranges of all readers tile [0, ranks * steps * batch)
         covered = sum(s.stop - s.start for r in range(plan.readers) for s in plan.reader_layout(epoch, r)[0])
-        assert covered == plan.readers * plan.per_reader == sum(sizes) - plan.dropped_per_epoch
-        assert plan.dropped_per_epoch < plan.readers * plan.batch_size
-    assert plan.steps_per_epoch == 8 * plan.per_reader // 128 == sum(sizes) // (512 * 128) * 8
+        assert covered == 64 * plan.steps_per_epoch * 128 == sum(sizes) - plan.dropped_per_epoch
+        assert plan.dropped_per_epoch < 64 * 128  # less than one global batch
+        counts = {plan.worker_batches(epoch, w) for w in range(plan.workers)}
+        assert max(counts) - min(counts) <= 1
+    assert plan.steps_per_epoch == sum(sizes) // (64 * 128)
+
+
+@pytest.mark.parametrize("ranks,workers,batch", [(8, 10, 4096), (64, 8, 128), (2, 2, 8), (3, 7, 5)])
+def test_an_epoch_drops_less_than_one_global_batch(ranks, workers, batch):
+    """CC3M-sized (2.9M pairs), no I/O: every rank takes the same steps, worker w of a rank makes exactly
+    its batches n with n % workers == w (the DataLoader's round robin) in every epoch, the readers' ranges
+    tile the epoch without overlap, and the remainder is under one global batch (it was up to ranks x
+    workers x batch - 1: 8 x 10 x 4,096 dropped 10% of CC3M an epoch)."""
+    sizes = [8_800] * 329 + [4_321]
+    plan = StreamPlan([Source("cc3m", [f"{i:05d}.tar" for i in range(len(sizes))], sizes)], "epoch", 0,
+                      world_size=ranks, workers=workers, batch_size=batch, num_samples=sum(sizes), shuffle_block=0)
+    G = ranks * batch
+    assert plan.dropped_per_epoch == sum(sizes) - plan.steps_per_epoch * G < G
+    if (ranks, workers, batch) == (8, 10, 4096):
+        assert plan.dropped_per_epoch <= 32_768 and plan.steps_per_epoch == 88
+    S = plan.steps_per_epoch
+    for epoch in range(3):
+        for w in range(workers):  # the rank's batches n of this epoch that come from worker w
+            assert plan.worker_batches(epoch, w) == sum(1 for n in range(epoch * S, (epoch + 1) * S) if n % workers == w)
+        assert plan.first_worker(epoch) == (epoch * S) % workers
+        pos = 0  # main ranges in reader order tile [0, steps x global batch)
+        for reader in range(plan.readers):
+            main, _ = plan.reader_layout(epoch, reader)
+            n = sum(s.stop - s.start for s in main)
+            assert n == plan.reader_length(epoch, reader % workers) and n % batch == 0
+            pos += n
+        assert pos == S * G
 
 
 def test_fewer_shards_than_readers_trains_with_a_note(openmoji, tmp_path):

@@ -19,6 +19,9 @@ import numpy as np
 from mmpretrain.data.sources import Source
 
 MODES = ("epoch", "resampled")
+# the reader layout's version, part of a saved position's identity: 2 = workers' shares of a rank's steps
+# per epoch (at most one global batch dropped); positions of layout 1 (whole batches per reader) are refused
+LAYOUT = 2
 
 
 @dataclass(frozen=True)
@@ -49,25 +52,42 @@ class StreamPlan:
         # the global index of sample i of shard k is offsets[k] + i (shards in data.train order)
         self.offsets = np.cumsum([0] + self.sizes[:-1]).tolist() if self.sizes else []
         self.readers = self.world_size * self.workers
-        self.per_reader = (self.num_samples // (self.readers * self.batch_size)) * self.batch_size
-        if self.per_reader == 0:
+        # every rank takes `steps` batches an epoch; its batch n comes from worker n % workers (the
+        # DataLoader's round robin), so a worker's share of an epoch is a whole number of batches that
+        # may differ by one between workers and epochs: at most one global batch is left over
+        self.steps = self.num_samples // (self.world_size * self.batch_size)
+        if self.steps == 0:
             raise ValueError(
                 f"{self.num_samples} samples per epoch cannot fill one batch of {self.batch_size} on each of "
-                f"{self.world_size} rank(s) x {self.workers} worker(s); lower data.batch_size or data.num_workers"
+                f"{self.world_size} rank(s); lower data.batch_size"
             )
 
     @property
     def steps_per_epoch(self) -> int:
-        return self.workers * self.per_reader // self.batch_size
+        return self.steps
 
     @property
     def dropped_per_epoch(self) -> int:
-        return self.num_samples - self.readers * self.per_reader if self.mode == "epoch" else 0
+        return self.num_samples - self.world_size * self.steps * self.batch_size if self.mode == "epoch" else 0
+
+    def worker_batches(self, epoch: int, worker: int) -> int:
+        """How many of a rank's ``steps`` batches of ``epoch`` worker ``worker`` makes: the rank's batches
+        ``n`` in ``[epoch * steps, (epoch + 1) * steps)`` with ``n % workers == worker``."""
+        S, W = self.steps, self.workers
+        return ((epoch + 1) * S - 1 - worker) // W - (epoch * S - 1 - worker) // W
+
+    def reader_length(self, epoch: int, worker: int) -> int:
+        """Samples a reader (of any rank) emits in ``epoch``."""
+        return self.worker_batches(epoch, worker) * self.batch_size
+
+    def first_worker(self, epoch: int) -> int:
+        """The worker whose batch opens ``epoch`` on every rank."""
+        return (epoch * self.steps) % self.workers
 
     def identity(self) -> dict[str, Any]:
         """What a saved position is only valid for."""
         digest = hashlib.sha1(json_bytes([self.urls, self.sizes, [s.weight for s in self.sources]])).hexdigest()
-        return {"mode": self.mode, "seed": self.seed, "world_size": self.world_size, "workers": self.workers,
+        return {"layout": LAYOUT, "mode": self.mode, "seed": self.seed, "world_size": self.world_size, "workers": self.workers,
                 "batch_size": self.batch_size, "num_samples": self.num_samples,
                 "shuffle_block": self.shuffle_block, "data": digest[:16]}
 
@@ -90,14 +110,17 @@ class StreamPlan:
         return out
 
     def reader_layout(self, epoch: int, reader: int) -> tuple[list[Segment], list[Segment]]:
-        """Epoch mode: (main range, spares) of a reader."""
+        """Epoch mode: (main range, spares) of a reader. Main ranges tile ``[0, ranks * steps * batch)``
+        of the epoch's order in reader order (rank, then worker); the remainder after them is split
+        equally between the readers as spares."""
         order = self.shard_order(epoch)
-        L = self.per_reader
-        main = self._slice(order, reader * L, (reader + 1) * L)
-        tail = self.num_samples - self.readers * L
-        each = tail // self.readers
-        start = self.readers * L + reader * each
-        return main, self._slice(order, start, start + each)
+        rank, worker = divmod(reader, self.workers)
+        start = rank * self.steps * self.batch_size + sum(self.reader_length(epoch, w) for w in range(worker))
+        main = self._slice(order, start, start + self.reader_length(epoch, worker))
+        used = self.world_size * self.steps * self.batch_size
+        each = (self.num_samples - used) // self.readers
+        first = used + reader * each
+        return main, self._slice(order, first, first + each)
 
     def drawn_segments(self, epoch: int, reader: int) -> Iterator[Segment]:
         """Resampled mode: whole shards drawn with replacement, without end."""

@@ -5,16 +5,18 @@
 rank's batch ``n`` comes from worker ``n % W``.
 
 **Epoch mode** (``data.mode=epoch``). Each epoch the shards of all sources are put in an order seeded
-by ``(seed, epoch)`` and their samples concatenated (``N`` positions). The sequence is cut into
-``R * W`` equal contiguous ranges of ``L = floor(N / (R*W*B)) * B`` samples, in node-then-worker
-order, so each reader opens only the shards its range touches (with at least as many shards as
-readers, at most two readers share a shard). Fewer shards than readers is fine -- an img2dataset
-build of CC3M has ~330 shards for 64 GPUs x 8 workers -- a shard's samples are then split between
-several readers, each skipping to its own range (local files seek past the members before it;
-remote ones are streamed up to it).
-Every rank therefore takes ``W * L / B`` steps per epoch and sees every sample of its ranges exactly
-once; the ``N - R*W*L < R*W*B`` samples at the end are the dropped remainder (logged as
-``dropped_remainder`` in ``skipped``). Each reader also owns an equal slice of that remainder as
+by ``(seed, epoch)`` and their samples concatenated (``N`` positions). Every rank takes
+``S = floor(N / (R*B))`` steps per epoch; the rank's batch ``n`` comes from worker ``n % W``, so
+worker ``w`` makes the batches ``n`` of ``[e*S, (e+1)*S)`` with ``n % W == w`` (whole batches; the
+counts of two workers differ by at most one). The sequence is cut into ``R * W`` contiguous ranges of
+those lengths, in node-then-worker order, so each reader opens only the shards its range touches
+(with at least as many shards as readers, at most two readers share a shard). Fewer shards than
+readers is fine -- an img2dataset build of CC3M has ~330 shards for 64 GPUs x 8 workers -- a shard's
+samples are then split between several readers, each skipping to its own range (local files seek
+past the members before it; remote ones are streamed up to it).
+Every rank therefore takes ``S`` steps per epoch and sees every sample of its ranges exactly once; the
+``N - R*S*B < R*B`` samples at the end -- less than one global batch -- are the dropped remainder
+(logged as ``dropped_remainder`` in ``skipped``). Each reader also owns an equal slice of that remainder as
 spares: a reader whose range holds bad samples fills its last batch from its spares (still
 "exactly once": spares are otherwise dropped), and only if they run out repeats its own earliest
 good samples (counted as ``repeated_to_fill``), because every rank must take the same number of
@@ -22,7 +24,7 @@ equal-sized steps.
 
 **Resampled mode** (``data.mode=resampled``). Reader ``k`` draws shards with replacement, a source
 by ``data.weights`` then a shard uniformly, from a generator seeded by ``(seed, epoch, k)``. An epoch
-is the sample budget ``data.num_samples`` (default: the dataset's size), ``L`` per reader as above.
+is the sample budget ``data.num_samples`` (default: the dataset's size), split between readers as above.
 
 **Shuffle.** Within a reader, positions are shuffled in blocks of ``data.shuffle_buffer`` samples, the
 permutation of block ``b`` seeded by ``(seed, epoch, rank, worker, b)``: raw bytes are permuted and
@@ -186,7 +188,7 @@ class Reader:
     def epoch(self, cursor: list[int], skipped: Counter) -> Iterator[tuple[dict[str, Any], list[int]]]:
         plan = self.plan
         epoch, pos, k0, emitted = cursor
-        L, S = plan.per_reader, max(1, plan.shuffle_block)
+        L, S = plan.reader_length(epoch, self.worker), max(1, plan.shuffle_block)
         if plan.mode == "epoch":
             main, spare = plan.reader_layout(epoch, self.index)
             M = sum(s.stop - s.start for s in main)
@@ -278,13 +280,13 @@ class TrainStream(IterableDataset):
         B = self.plan.batch_size
         while True:
             epoch = cursor[0]
-            if cursor[3] >= self.plan.per_reader:  # a finished epoch: start the next
+            if cursor[3] >= self.plan.reader_length(epoch, worker):  # a finished epoch: start the next
                 cursor = [epoch + 1, 0, 0, 0]
                 continue
             skipped: Counter = Counter()
-            if cursor[3] == 0 and worker == 0 and self.plan.dropped_per_epoch:
-                # the remainder that no reader of this rank emits, counted once per epoch by worker 0
-                # of every rank, as its share of the total
+            if cursor[3] == 0 and worker == self.plan.first_worker(epoch) and self.plan.dropped_per_epoch:
+                # the remainder that no reader emits, counted once per epoch on every rank, as its share
+                # of the total, by the worker whose batch opens the epoch
                 share = self.plan.dropped_per_epoch // self.plan.world_size
                 share += int(self.rank < self.plan.dropped_per_epoch % self.plan.world_size)
                 if share:
@@ -332,7 +334,7 @@ class StreamPosition:
     @property
     def epoch(self) -> int:
         """The epoch the next batch belongs to (a reader that finished epoch e is at e + 1)."""
-        return min(c[0] + int(c[3] >= self.plan.per_reader) for c in self.cursors.values())
+        return min(c[0] + int(c[3] >= self.plan.reader_length(c[0], w)) for w, c in self.cursors.items())
 
 
 def _lower_priority(nice: int):
