@@ -64,6 +64,10 @@ class WeightedObjective(nn.Module):
         """The first declared bias: a sigmoid term anywhere in the sum gets the bias it needs."""
         return next((t.init_logit_bias for t in self.terms if t.init_logit_bias is not None), None)
 
+    def largest_matrix(self, batch: int) -> int:
+        """The largest of its terms' (:meth:`Objective.largest_matrix`)."""
+        return max(getattr(t, "largest_matrix", lambda b: 0)(batch) for t in self.terms)
+
     def commit_step(self) -> None:
         for term in self.terms:
             getattr(term, "commit_step", lambda: None)()

@@ -63,6 +63,19 @@ class Objective(nn.Module):
             raise ValueError(f"{self.name}: chunk_size must be a positive number of rows/columns per tile")
         self.rank, self.world_size, self.chunk_size = rank, world_size, chunk_size
 
+    def largest_matrix(self, batch: int) -> int:
+        """Elements of the largest matrix over the batch (logits, targets, their gradients) one step builds
+        on a rank holding ``batch`` samples, ``batch * world_size`` once gathered: what a recipe's memory
+        check and the run's start line count. The default, the gathered batch squared, is the most any
+        objective here builds; tests hold every objective's figure to a trace of its forward and backward."""
+        gathered = batch * self.world_size
+        return self.tiles(gathered, gathered)
+
+    def tiles(self, rows: int, cols: int) -> int:
+        """A ``rows x cols`` matrix's elements, or one ``chunk x chunk`` tile's when tiled."""
+        c = self.chunk_size
+        return rows * cols if c is None else min(c, rows) * min(c, cols)
+
     def commit_step(self) -> None:
         """Apply the state update the last forward proposed (the step was accepted)."""
 

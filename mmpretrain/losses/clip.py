@@ -50,6 +50,10 @@ class ClipLoss(Objective):
         self.local_loss = local_loss
         self.gather_with_grad = gather_with_grad
 
+    def largest_matrix(self, batch: int) -> int:
+        gathered = batch * self.world_size
+        return self.tiles(batch if self.local_loss else gathered, gathered)
+
     def forward(
         self,
         *,

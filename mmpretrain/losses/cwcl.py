@@ -26,6 +26,9 @@ class CwclLoss(Objective):
     def __init__(self, *, rank: int = 0, world_size: int = 1, chunk_size: int | None = None):
         super().__init__(rank=rank, world_size=world_size, chunk_size=chunk_size)
 
+    def largest_matrix(self, batch: int) -> int:
+        return batch * batch * self.world_size  # this rank's rows against every rank's columns
+
     def forward(self, *, image_features: torch.Tensor, text_features: torch.Tensor,
                 logit_scale: torch.Tensor | float, logit_bias=None, target_embeddings: torch.Tensor | None = None,
                 **extra) -> dict[str, torch.Tensor]:

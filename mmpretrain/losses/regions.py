@@ -246,6 +246,12 @@ class RegionLoss(Objective):
 
     # ---------------------------------------------------------------------------------------- forward
 
+    def largest_matrix(self, batch: int) -> int:
+        """The base objective's, or the gathered batch squared: the region terms' logits (one masked
+        ``B x B`` product on a GPU; each region's rows and columns, at most the batch, on a CPU)."""
+        gathered = batch * self.world_size
+        return max(self.global_term.largest_matrix(batch), gathered * gathered)
+
     def forward(
         self,
         *,

@@ -37,6 +37,9 @@ class SigmoidLoss(Objective):
         super().__init__(rank=rank, world_size=world_size, chunk_size=chunk_size)
         self.within_view_negatives = within_view_negatives
 
+    def largest_matrix(self, batch: int) -> int:
+        return self.tiles(batch, batch * self.world_size)  # this rank's rows against every rank's columns
+
     def _sum(self, a, b, scale, bias, offset=None):
         """``sum_ij softplus(l_ij)``, minus the positives' logits ``l_{i,i+offset}`` when given."""
         if self.chunk_size is not None:

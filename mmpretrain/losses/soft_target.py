@@ -66,6 +66,9 @@ class SoftTargetLoss(Objective):
         self.space = space
         self.temperature = temperature
 
+    def largest_matrix(self, batch: int) -> int:
+        return self.tiles(batch, batch * self.world_size)  # this rank's rows against every rank's columns
+
     def forward(
         self,
         *,

@@ -32,6 +32,9 @@ class VrnLoss(Objective):
             delta = -1.0 / (dataset_size - 1)
         self.delta = delta
 
+    def largest_matrix(self, batch: int) -> int:
+        return batch * batch * self.world_size  # this rank's rows against every rank's columns
+
     def forward(self, *, image_features: torch.Tensor, text_features: torch.Tensor, **extra) -> dict[str, torch.Tensor]:
         if self.delta is None:
             raise ValueError("vrn needs delta or dataset_size (the trainer passes the dataset size)")
