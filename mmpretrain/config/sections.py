@@ -75,6 +75,8 @@ class DataConfig(_Strict):
     batch_size: int = Field(128, gt=0, description="per-rank batch size")
     num_workers: int = Field(2, ge=0, description="DataLoader workers per rank, each reading its own shard ranges "
                              "(0: in the training process)")
+    prefetch_factor: int = Field(2, gt=0, description="batches each worker prepares ahead; host memory per node "
+                                 "is about local ranks x (num_workers x prefetch_factor + 2) batches (docs/scale.md)")
     shuffle_buffer: int = Field(1000, ge=0, description="samples per shuffle block of each reader (0 or 1 = none)")
     worker_nice: int = Field(10, ge=0, le=19, description="niceness added to the loader workers, so that on a "
                              "saturated CPU the training threads keep their cores (0: same priority)")

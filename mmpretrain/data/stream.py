@@ -159,12 +159,23 @@ class SegmentReader:
         return self.failed
 
 
+def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack``; in a DataLoader worker into shared memory directly, as torch's default collate
+    does (a batch stacked in private memory is copied once more into shared memory to be handed over)."""
+    if get_worker_info() is None:
+        return torch.stack(tensors)
+    first = tensors[0]
+    storage = first.untyped_storage()._new_shared(len(tensors) * first.numel() * first.element_size())
+    out = first.new_empty(0).set_(storage, 0, (len(tensors), *first.shape))
+    return torch.stack(tensors, out=out)
+
+
 def collate(items: list[dict[str, Any]], tokenizer=None) -> dict[str, Any]:
     """A batch: ``images (B, 3, H, W)``, ``texts``, ``keys``, ``sample_index (B,)`` (global, stable under
     resume, rank count and resampling), ``tokens (B, L)`` with a tokenizer, and ``target_embeddings
     (B, E)`` / ``labels (B,)`` when every item has one."""
     batch: dict[str, Any] = {
-        "images": torch.stack([it["image"] for it in items]),
+        "images": _stack([it["image"] for it in items]),
         "texts": [it["text"] for it in items],
         "keys": [it["key"] for it in items],
         "sample_index": torch.tensor([it["index"] for it in items], dtype=torch.long),
@@ -172,7 +183,7 @@ def collate(items: list[dict[str, Any]], tokenizer=None) -> dict[str, Any]:
     if tokenizer is not None:
         batch["tokens"] = tokenizer(batch["texts"])
     if all("emb" in it for it in items):
-        batch["target_embeddings"] = torch.stack([it["emb"] for it in items])
+        batch["target_embeddings"] = _stack([it["emb"] for it in items])
     if all("label" in it for it in items):
         batch["labels"] = torch.tensor([it["label"] for it in items], dtype=torch.long)
     return batch
@@ -344,17 +355,19 @@ def _lower_priority(nice: int):
     return init
 
 
-def make_loader(stream: TrainStream, num_workers: int, pin_memory: bool = False, worker_nice: int = 0) -> DataLoader:
+def make_loader(stream: TrainStream, num_workers: int, pin_memory: bool = False, worker_nice: int = 0,
+                prefetch_factor: int = 2) -> DataLoader:
     """``worker_nice``: added to the workers' niceness. With the CPU saturated (training on CPU, or
     decoding-bound GPU hosts) the training process's threads then keep their cores and the workers,
-    which run ahead by ``prefetch_factor`` batches, fill the gaps."""
+    which run ahead by ``prefetch_factor`` batches each, fill the gaps (host memory:
+    :mod:`mmpretrain.data.host_memory`)."""
     return DataLoader(
         stream,
         batch_size=None,
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
         pin_memory=pin_memory,
-        prefetch_factor=4 if num_workers > 0 else None,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
         multiprocessing_context="fork" if num_workers and sys.platform == "linux" else None,
         worker_init_fn=_lower_priority(worker_nice) if num_workers and worker_nice else None,
     )

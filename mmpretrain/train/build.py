@@ -14,7 +14,7 @@ from accelerate.utils import set_seed
 from open_clip.transform import PreprocessCfg, image_transform_v2
 
 from mmpretrain.config import ConfigError, ExperimentConfig, flat_config, to_yaml
-from mmpretrain.data import urls
+from mmpretrain.data import host_memory, urls
 from mmpretrain.data.decode import SampleDecoder, split_normalize
 from mmpretrain.data.manifest import provenance_record
 from mmpretrain.data.plan import StreamPlan
@@ -160,7 +160,22 @@ def build_loader(cfg: ExperimentConfig, data: Data, model: Model, objective: Wei
     )
     stream = TrainStream(data.plan, decoder, rank, start=position.state() if position is not None else None,
                          tokenizer=None if cfg.model.text_from_targets else factory.make_tokenizer(model.model_cfg))
-    return make_loader(stream, cfg.data.num_workers, pin_memory=pin_memory, worker_nice=cfg.data.worker_nice)
+    d = cfg.data
+    context = 0 if cfg.model.text_from_targets else model.model_cfg.get("text_cfg", {}).get("context_length", 77)
+    batch = host_memory.batch_bytes(d.batch_size, size, context, embedding_dim or 0)
+    ranks = host_memory.local_ranks()
+    try:
+        host_memory.check_shm(host_memory.shm_bytes(batch, d.num_workers, d.prefetch_factor, ranks), batch,
+                              d.num_workers, d.prefetch_factor, ranks)
+    except ValueError as e:
+        raise ConfigError(f"data: {e}") from None
+    if pin_memory and not host_memory.pin(batch):
+        pin_memory = False
+        if rank == 0:
+            print(f"note: batches of {batch / 2**20:.0f} MiB are not pinned (over {host_memory.PIN_MAX >> 20} MiB: "
+                  "the pinned allocator would round each up to a power of two)", file=sys.stderr)
+    return make_loader(stream, d.num_workers, pin_memory=pin_memory, worker_nice=d.worker_nice,
+                       prefetch_factor=d.prefetch_factor)
 
 
 def make_optimizer(cfg: ExperimentConfig, module: torch.nn.Module) -> torch.optim.Optimizer:
