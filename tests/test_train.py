@@ -40,6 +40,10 @@ def test_resume_after_a_crash_equals_the_uninterrupted_run(openmoji, tmp_path):
     geo = [r["step"] for r in records if "geometry/align" in r]
     assert geo == [2, 4, 6] and all(0 <= r["geometry/align"] <= 4 for r in records if "geometry/align" in r)
     assert [r["step"] for r in records if any(k.startswith("eval/") for k in r)] == [3, 6]
+    # the wait for data, as open_clip's data_time: seconds per step, and the share of the interval
+    steps = [r for r in records if "loss" in r]
+    assert steps and all(r["data_time"] >= 0 and 0 <= r["data_wait_fraction"] <= 1 for r in steps)
+    assert any(r["data_time"] > 0 for r in steps)
     results = json.loads((a / "results.json").read_text())["results"]
     assert [e["model"] for e in results] == ["step_3", "step_6"]
     assert {p.name for p in (a / "plots").iterdir()} >= {"loss.png", "lr_scale.png", "geometry.png", "similarity.png"}

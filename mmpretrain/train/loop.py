@@ -106,8 +106,11 @@ def fit(run: Run) -> dict[str, Any]:
     it = iter(run.loader)
     t0, last, last_step = time.time(), time.time(), st.step
     rec: dict[str, Any] = {}
+    waited = 0.0  # seconds spent waiting for the loader since the last record (open_clip's data_time)
     while st.step < sched.total_steps:
+        t_wait = time.perf_counter()
         batch = next(it)
+        waited += time.perf_counter() - t_wait
         st.skipped.update(batch["skipped"])
         st.position.advance(batch)
         res = train_step(run, batch)
@@ -118,6 +121,10 @@ def fit(run: Run) -> dict[str, Any]:
         diag = bool(sched.diagnostics_every) and (st.step % sched.diagnostics_every == 0 or end)
         if st.step % cfg.train.log_every == 0 or end or diag:
             rec = log_record(run, res.terms, res.loss, res.terms["lr"], last, st.step - last_step, res.logit_scale)
+            # this rank's (the main process's) wait for data: per step, and as a share of the interval
+            rec["data_time"] = waited / max(1, st.step - last_step)
+            rec["data_wait_fraction"] = min(1.0, waited / max(time.time() - last, 1e-9))
+            waited = 0.0
             if diag:
                 rec.update(diagnostics(run, res.features))
             last, last_step = time.time(), st.step
