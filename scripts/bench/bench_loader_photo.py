@@ -1,0 +1,258 @@
+"""Training-loader images/s on photo-like data at the resolution users train at: ours against
+open_clip_train's ``get_wds_dataset`` and the decode limit, A B C A B C in one run, plus a per-stage
+profile of our per-sample work.
+
+    python scripts/bench/bench_loader_photo.py [--images 1200] [--image-size 224] [--batch-size 128]
+                                         [--workers 2] [--epochs 2] [--repeats 2]
+
+Data: the colour photos scikit-image and scikit-learn ship (astronaut, chelsea, coffee, rocket,
+motorcycle, retina, hubble, ihc, china, flower), each JPEG a different random crop (area 30-100 %,
+aspect 1:1, 4:3, 3:2, 2:1 or portrait), flip and scale (shorter side 256-512 px), quality 90, as
+img2dataset writes web images; WebDataset shards of 100 with sizes.json, in a temporary folder.
+- ours: mmpretrain.data.stream (uint8 hand-over, normalised on the device), open_clip's training
+  transform and tokenizer, epoch mode.
+- open_clip: get_wds_dataset with the same transform (float, normalised in the worker) and tokenizer.
+- decode limit: Pillow open + convert + open_clip's crop and resize to a uint8 tensor (no normalise),
+  from bytes in memory, in --workers processes at once (sharing the cores as the loaders do).
+Timing covers --epochs passes, worker start included. Writes bench_results/loader_photo.json
+(ratio = ours / open_clip; ours / limit in extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from benchlib import report_ratio, table  # noqa: E402
+
+ASPECTS = (1.0, 4 / 3, 3 / 2, 2.0, 3 / 4, 2 / 3)
+
+
+def photos() -> list[tuple[str, np.ndarray]]:
+    """The colour photos the two packages ship, read from their files (nothing is fetched)."""
+    import skimage.data
+    from sklearn.datasets import load_sample_images
+
+    here = Path(skimage.data.__file__).parent
+    files = {"astronaut": "astronaut.png", "cat": "chelsea.png", "coffee": "coffee.png", "rocket": "rocket.jpg",
+             "motorcycle": "motorcycle_left.png", "retina": "retina.jpg", "galaxies": "hubble_deep_field.jpg",
+             "tissue": "ihc.png"}
+    out = [(n, np.asarray(Image.open(here / f).convert("RGB"))) for n, f in files.items()]
+    return out + list(zip(("china", "flower"), load_sample_images().images))
+
+
+def make_jpegs(n: int, seed: int = 0) -> list[tuple[str, bytes]]:
+    """``n`` distinct photo JPEGs with captions."""
+    rng = np.random.default_rng(seed)
+    src = photos()
+    out = []
+    for i in range(n):
+        name, arr = src[i % len(src)]
+        img = Image.fromarray(arr)
+        w, h = img.size
+        aspect = ASPECTS[rng.integers(len(ASPECTS))]
+        area = rng.uniform(0.3, 1.0) * w * h
+        cw, ch = min(w, int(round((area * aspect) ** 0.5))), min(h, int(round((area / aspect) ** 0.5)))
+        x, y = rng.integers(0, w - cw + 1), rng.integers(0, h - ch + 1)
+        img = img.crop((x, y, x + cw, y + ch))
+        if rng.random() < 0.5:
+            img = img.transpose(Image.FLIP_LEFT_RIGHT)
+        short = rng.integers(256, 513)
+        s = short / min(img.size)
+        img = img.resize((max(1, round(img.width * s)), max(1, round(img.height * s))), Image.BICUBIC)
+        buf = io.BytesIO()
+        img.save(buf, "JPEG", quality=90)
+        out.append((f"a photo of {name.replace('_', ' ')}, view {i}", buf.getvalue()))
+    return out
+
+
+def write_shards(samples: list[tuple[str, bytes]], folder: Path, per_shard: int = 100) -> None:
+    import webdataset as wds
+
+    folder.mkdir(parents=True)
+    sizes = {}
+    for s in range(0, len(samples), per_shard):
+        name = f"photo-{s // per_shard:06d}.tar"
+        with wds.TarWriter(str(folder / name)) as w:
+            for i, (caption, jpg) in enumerate(samples[s:s + per_shard], s):
+                w.write({"__key__": f"{i:08d}", "jpg": jpg, "txt": caption})
+        sizes[name] = len(samples[s:s + per_shard])
+    (folder / "sizes.json").write_text(json.dumps(sizes))
+
+
+_LIMIT: dict = {}
+
+
+def _limit_init(size: int) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # as a DataLoader worker: a forked OpenMP pool would hang
+    from open_clip.transform import PreprocessCfg, image_transform_v2
+
+    from mmpretrain.data.decode import split_normalize
+    _LIMIT["t"] = split_normalize(image_transform_v2(PreprocessCfg(size=size), is_train=True))[0]
+
+
+def _limit_work(chunk: list[bytes]) -> int:
+    t = _LIMIT["t"]
+    for b in chunk:
+        t(Image.open(io.BytesIO(b)).convert("RGB"))
+    return len(chunk)
+
+
+def profile(samples: list[tuple[str, bytes]], folder: Path, size: int, batch: int) -> dict:
+    """Seconds per sample of each stage of our worker's work, one process, on the first 512 samples."""
+    import open_clip
+    import torch
+    from open_clip.transform import PreprocessCfg, image_transform_v2
+
+    from mmpretrain.data.decode import split_normalize
+    from mmpretrain.data.stream import collate
+    from mmpretrain.data.tar import read_tar
+
+    t = split_normalize(image_transform_v2(PreprocessCfg(size=size), is_train=True))[0]
+    tok = open_clip.get_tokenizer("ViT-B-32")
+    n, raw = 0, []
+    t0 = time.perf_counter()
+    for shard in sorted(folder.glob("*.tar")):
+        for s in read_tar(shard):
+            raw.append(s)
+        if len(raw) >= 512:
+            break
+    raw = raw[:512]
+    n = len(raw)
+    read = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    imgs = [Image.open(io.BytesIO(s["jpg"])).convert("RGB") for s in raw]
+    for im in imgs:
+        im.load()
+    decode = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    tensors = [t(im) for im in imgs]
+    crop = time.perf_counter() - t0
+    caps = [s["txt"].decode() for s in raw]
+    t0 = time.perf_counter()
+    for i in range(0, n, batch):
+        tok(caps[i:i + batch])
+    tokenize = time.perf_counter() - t0
+    items = [{"image": x, "text": c, "key": str(i), "index": i} for i, (x, c) in enumerate(zip(tensors, caps))]
+    t0 = time.perf_counter()
+    for i in range(0, n, batch):
+        collate(items[i:i + batch])
+    coll = time.perf_counter() - t0
+    # hand-over: a batch through a worker queue (shared memory), per sample
+    from torch.utils.data import DataLoader, IterableDataset
+
+    class One(IterableDataset):
+        def __iter__(self):
+            for _ in range(8):
+                yield collate(items[:batch])
+    t0 = time.perf_counter()
+    dl = DataLoader(One(), batch_size=None, num_workers=1)
+    for _ in dl:
+        pass
+    hand = (time.perf_counter() - t0) / (8 * batch)
+    del torch
+    return {k: round(v * 1e3, 3) for k, v in {"read": read / n, "decode": decode / n, "crop_resize": crop / n,
+                                              "tokenize": tokenize / n, "collate": coll / n,
+                                              "hand_over (incl. worker start)": hand}.items()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--images", type=int, default=1200)
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import open_clip
+    from open_clip.transform import PreprocessCfg, image_transform_v2
+    from open_clip_train.data import get_wds_dataset
+
+    from mmpretrain.data.decode import SampleDecoder, split_normalize
+    from mmpretrain.data.plan import StreamPlan
+    from mmpretrain.data.sources import resolve_sources
+    from mmpretrain.data.stream import TrainStream, make_loader
+
+    full = image_transform_v2(PreprocessCfg(size=args.image_size), is_train=True)
+    uint8, _ = split_normalize(full)
+    tokenizer = open_clip.get_tokenizer("ViT-B-32")
+    samples = make_jpegs(args.images)
+    jpgs = [b for _, b in samples]
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "photos"
+        write_shards(samples, data)
+        sources = resolve_sources(str(data))
+        n = sum(s.num_samples for s in sources)
+        pattern = str(data / f"photo-{{000000..{len(list(data.glob('*.tar'))) - 1:06d}}}.tar")
+
+        def theirs() -> float:
+            a = Namespace(train_data=pattern, train_num_samples=None, dataset_resampled=False,
+                          train_data_upsampling_factors=None, seed=0, batch_size=args.batch_size, world_size=1,
+                          workers=args.workers)
+            t0 = time.perf_counter()
+            info = get_wds_dataset(a, full, is_train=True, epoch=0, tokenizer=tokenizer)
+            seen = 0
+            for e in range(args.epochs):
+                info.set_epoch(e)
+                for images, _texts in info.dataloader:
+                    seen += images.shape[0]
+            dt = time.perf_counter() - t0
+            del info
+            return seen / dt
+
+        def ours() -> float:
+            plan = StreamPlan(sources, "epoch", 0, 1, max(1, args.workers), args.batch_size, n, 1000)
+            decoder = SampleDecoder(uint8, embeddings="ignore", draft_size=args.image_size)
+            t0 = time.perf_counter()
+            it = iter(make_loader(TrainStream(plan, decoder, 0, tokenizer=tokenizer), args.workers))
+            seen = 0
+            for _ in range(plan.steps_per_epoch * args.epochs):
+                seen += next(it)["images"].shape[0]
+            dt = time.perf_counter() - t0
+            del it
+            return seen / dt
+
+        def limit() -> float:
+            W = max(1, args.workers)
+            chunks = [jpgs[i::W] for i in range(W)] * args.epochs
+            t0 = time.perf_counter()
+            with mp.get_context("fork").Pool(W, _limit_init, (args.image_size,)) as pool:
+                seen = sum(pool.map(_limit_work, chunks, chunksize=1))
+            return seen / (time.perf_counter() - t0)
+
+        ref_runs, our_runs, lim_runs = [], [], []
+        for _ in range(args.repeats):
+            ref_runs.append(theirs())
+            our_runs.append(ours())
+            lim_runs.append(limit())
+        stages = profile(samples, data, args.image_size, args.batch_size)
+    of_limit = [o / m for o, m in zip(our_runs, lim_runs)]
+    print(table([(i, f"{r:.0f}", f"{o:.0f}", f"{m:.0f}", f"{o / m:.2f}", f"{r / m:.2f}")
+                 for i, (r, o, m) in enumerate(zip(ref_runs, our_runs, lim_runs))],
+                ("run", "open_clip img/s", "ours img/s", "decode limit img/s", "ours / limit", "open_clip / limit")))
+    print(table(list(stages.items()), ("stage (ours, one process)", "ms per sample")))
+    report_ratio("loader_photo", ref_runs, our_runs, ("open_clip get_wds_dataset img/s", "mmpretrain stream img/s"),
+                 1.5, {"samples": n, "image_size": args.image_size, "batch_size": args.batch_size,
+                       "workers": args.workers, "epochs": args.epochs, "open_clip_images_per_s": ref_runs,
+                       "ours_images_per_s": our_runs, "decode_limit_images_per_s": lim_runs,
+                       "ours_over_limit": of_limit, "stage_ms_per_sample": stages})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
