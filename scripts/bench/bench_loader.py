@@ -19,11 +19,9 @@ import argparse
 import os
 import sys
 import tempfile
-import time
-from argparse import Namespace
 from pathlib import Path
 
-from benchlib import report_ratio  # noqa: E402
+from benchlib import open_clip_rate, report_ratio, stream_rate  # noqa: E402
 
 
 def main() -> int:
@@ -38,13 +36,9 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import open_clip
     from open_clip.transform import PreprocessCfg, image_transform_v2
-    from open_clip_train.data import get_wds_dataset
 
     from data_tools.build import build
-    from mmpretrain.data.decode import SampleDecoder
-    from mmpretrain.data.plan import StreamPlan
     from mmpretrain.data.sources import resolve_sources
-    from mmpretrain.data.stream import TrainStream, make_loader
 
     transform = image_transform_v2(PreprocessCfg(size=args.image_size), is_train=True)
     tokenizer = open_clip.get_tokenizer("ViT-B-32")
@@ -58,31 +52,11 @@ def main() -> int:
         n = sum(s.num_samples for s in sources)
 
         def theirs() -> float:
-            a = Namespace(train_data=pattern, train_num_samples=None, dataset_resampled=False,
-                          train_data_upsampling_factors=None, seed=0, batch_size=args.batch_size, world_size=1,
-                          workers=args.workers)
-            t0 = time.perf_counter()
-            info = get_wds_dataset(a, transform, is_train=True, epoch=0, tokenizer=tokenizer)
-            seen = 0
-            for e in range(args.epochs):
-                info.set_epoch(e)
-                for images, _texts in info.dataloader:
-                    seen += images.shape[0]
-            dt = time.perf_counter() - t0
-            del info
-            return seen / dt
+            return open_clip_rate(pattern, transform, tokenizer, args.batch_size, args.workers, args.epochs)
 
         def ours() -> float:
-            plan = StreamPlan(sources, "epoch", 0, 1, max(1, args.workers), args.batch_size, n, 1000)
-            decoder = SampleDecoder(transform, embeddings="ignore", draft_size=args.image_size)
-            t0 = time.perf_counter()
-            it = iter(make_loader(TrainStream(plan, decoder, 0, tokenizer=tokenizer), args.workers))
-            seen = 0
-            for _ in range(plan.steps_per_epoch * args.epochs):
-                seen += next(it)["images"].shape[0]
-            dt = time.perf_counter() - t0
-            del it
-            return seen / dt
+            return stream_rate(sources, transform, tokenizer, args.batch_size, args.workers, args.epochs,
+                               args.image_size)
 
         ref_runs, our_runs = [], []
         for _ in range(args.repeats):

@@ -28,13 +28,12 @@ import os
 import sys
 import tempfile
 import time
-from argparse import Namespace
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from benchlib import report_ratio, table  # noqa: E402
+from benchlib import open_clip_rate, report_ratio, stream_rate, table  # noqa: E402
 
 ASPECTS = (1.0, 4 / 3, 3 / 2, 2.0, 3 / 4, 2 / 3)
 
@@ -181,12 +180,9 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import open_clip
     from open_clip.transform import PreprocessCfg, image_transform_v2
-    from open_clip_train.data import get_wds_dataset
 
-    from mmpretrain.data.decode import SampleDecoder, split_normalize
-    from mmpretrain.data.plan import StreamPlan
+    from mmpretrain.data.decode import split_normalize
     from mmpretrain.data.sources import resolve_sources
-    from mmpretrain.data.stream import TrainStream, make_loader
 
     full = image_transform_v2(PreprocessCfg(size=args.image_size), is_train=True)
     uint8, _ = split_normalize(full)
@@ -201,31 +197,10 @@ def main() -> int:
         pattern = str(data / f"photo-{{000000..{len(list(data.glob('*.tar'))) - 1:06d}}}.tar")
 
         def theirs() -> float:
-            a = Namespace(train_data=pattern, train_num_samples=None, dataset_resampled=False,
-                          train_data_upsampling_factors=None, seed=0, batch_size=args.batch_size, world_size=1,
-                          workers=args.workers)
-            t0 = time.perf_counter()
-            info = get_wds_dataset(a, full, is_train=True, epoch=0, tokenizer=tokenizer)
-            seen = 0
-            for e in range(args.epochs):
-                info.set_epoch(e)
-                for images, _texts in info.dataloader:
-                    seen += images.shape[0]
-            dt = time.perf_counter() - t0
-            del info
-            return seen / dt
+            return open_clip_rate(pattern, full, tokenizer, args.batch_size, args.workers, args.epochs)
 
         def ours() -> float:
-            plan = StreamPlan(sources, "epoch", 0, 1, max(1, args.workers), args.batch_size, n, 1000)
-            decoder = SampleDecoder(uint8, embeddings="ignore", draft_size=args.image_size)
-            t0 = time.perf_counter()
-            it = iter(make_loader(TrainStream(plan, decoder, 0, tokenizer=tokenizer), args.workers))
-            seen = 0
-            for _ in range(plan.steps_per_epoch * args.epochs):
-                seen += next(it)["images"].shape[0]
-            dt = time.perf_counter() - t0
-            del it
-            return seen / dt
+            return stream_rate(sources, uint8, tokenizer, args.batch_size, args.workers, args.epochs, args.image_size)
 
         def limit() -> float:
             W = max(1, args.workers)

@@ -124,3 +124,43 @@ def report_ratio(name: str, ref_runs: list[float], our_runs: list[float], labels
     path = write_result(name, median(ratios), True, target, ratios, extra)
     print(f"ratio {median(ratios):.3f} -> {path}")
     return median(ratios)
+
+
+def open_clip_rate(pattern: str, transform, tokenizer, batch_size: int, workers: int, epochs: int) -> float:
+    """Images/s of open_clip_train's ``get_wds_dataset`` over ``epochs`` passes of the shards ``pattern``
+    (worker start included)."""
+    from argparse import Namespace
+
+    from open_clip_train.data import get_wds_dataset
+
+    a = Namespace(train_data=pattern, train_num_samples=None, dataset_resampled=False,
+                  train_data_upsampling_factors=None, seed=0, batch_size=batch_size, world_size=1, workers=workers)
+    t0 = time.perf_counter()
+    info = get_wds_dataset(a, transform, is_train=True, epoch=0, tokenizer=tokenizer)
+    seen = 0
+    for e in range(epochs):
+        info.set_epoch(e)
+        for images, _texts in info.dataloader:
+            seen += images.shape[0]
+    dt = time.perf_counter() - t0
+    del info
+    return seen / dt
+
+
+def stream_rate(sources, transform, tokenizer, batch_size: int, workers: int, epochs: int, draft_size: int) -> float:
+    """Images/s of our training stream (epoch mode, one rank) over ``epochs`` passes (worker start included)."""
+    from mmpretrain.data.decode import SampleDecoder
+    from mmpretrain.data.plan import StreamPlan
+    from mmpretrain.data.stream import TrainStream, make_loader
+
+    n = sum(s.num_samples for s in sources)
+    plan = StreamPlan(sources, "epoch", 0, 1, max(1, workers), batch_size, n, 1000)
+    decoder = SampleDecoder(transform, embeddings="ignore", draft_size=draft_size)
+    t0 = time.perf_counter()
+    it = iter(make_loader(TrainStream(plan, decoder, 0, tokenizer=tokenizer), workers))
+    seen = 0
+    for _ in range(plan.steps_per_epoch * epochs):
+        seen += next(it)["images"].shape[0]
+    dt = time.perf_counter() - t0
+    del it
+    return seen / dt
