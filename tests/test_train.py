@@ -255,8 +255,10 @@ def test_region_weighting_trains_logs_and_resumes_exactly(openmoji, tmp_path):
     """The region-weighted objective in the trainer: per-scale diagnostics (purity from the shards'
     labels) in the log, bank/centroids/weights in the checkpoint, and a resume bit-identical to the
     uninterrupted run (the Hedge weights and the bank restored, not restarted)."""
+    # regions from the frozen caption embeddings: populated from the first step (a 2-step-old image
+    # tower puts every sample in one region, where the Hedge weights have nothing to move)
     regions = ("loss=[{name: regions, options: {base: clip, scales: [2, 4], bank_size: 48, refresh_every: 2, "
-               "warmup_steps: 2}}]")
+               "warmup_steps: 2, space: target}}]")
     a = tmp_path / "a"
     r = _train(openmoji, a, regions)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -265,7 +267,8 @@ def test_region_weighting_trains_logs_and_resumes_exactly(openmoji, tmp_path):
     assert all(r["regions_loss"] == r["regions/global"] for r in records[:2])
     last = records[-1]
     assert sum(last["regions/m4/sizes"]) == 16 and 0 < last["regions/m4/purity"] <= 1
-    assert abs(last["regions/m4/q_entropy"] - math.log(4)) > 1e-6  # the weights moved
+    # the weights moved off uniform (q_max first order in the move; the entropy only second order)
+    assert last["regions/m4/q_max"] - 0.25 > 1e-6 and last["regions/m4/q_entropy"] < math.log(4)
     assert (a / "checkpoints/step_00000003/objective.safetensors").is_file()
     assert not list(a.rglob("custom_checkpoint_*"))  # no pickled objects
 

@@ -80,10 +80,36 @@ class DataConfig(_Strict):
     shuffle_buffer: int = Field(1000, ge=0, description="samples per shuffle block of each reader (0 or 1 = none)")
     worker_nice: int = Field(10, ge=0, le=19, description="niceness added to the loader workers, so that on a "
                              "saturated CPU the training threads keep their cores (0: same priority)")
+    aug_cfg: dict[str, Any] = Field(default_factory=dict, description="open_clip's training augmentation "
+                                    "settings (its --aug-cfg: scale, color_jitter, color_jitter_prob, gray_scale_prob, "
+                                    "use_timm, ratio, re_prob, re_count); scale alone keeps the fast crop path, the "
+                                    "others run torchvision's / timm's transform")
     max_pixels: int = Field(64_000_000, gt=0, description="images with more pixels (after JPEG draft scaling) are "
                             "skipped as too_many_pixels before decoding, as data_tools build --max-pixels")
     remote: RemoteConfig = Field(default_factory=RemoteConfig, description="retries, backoff and timeout for "
                                  "remote shards")
+
+    @field_validator("aug_cfg")
+    @classmethod
+    def _aug_keys(cls, v: dict[str, Any]) -> dict[str, Any]:
+        import dataclasses
+
+        from open_clip.transform import AugmentationCfg
+
+        known = [f.name for f in dataclasses.fields(AugmentationCfg)]
+        unknown = sorted(set(v) - set(known))
+        if unknown:
+            raise ValueError(f"unknown data.aug_cfg key(s) {unknown}; open_clip's are {known}")
+        for key in ("scale", "ratio"):
+            if key in v:
+                pair = v[key]
+                if (not isinstance(pair, (list, tuple)) or len(pair) != 2
+                        or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in pair)
+                        or not 0 < pair[0] <= pair[1] or (key == "scale" and pair[1] > 1)):
+                    raise ValueError(f"data.aug_cfg.{key} must be two numbers [low, high] with 0 < low <= high"
+                                     + (" <= 1" if key == "scale" else "") + f", not {pair!r}")
+                v[key] = [float(x) for x in pair]
+        return v
 
     @model_validator(mode="after")
     def _mode_options(self):

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from mmpretrain.data.crop import ResizedCrop, fast_train_transform
 from mmpretrain.data.sidecar import IN_TAR, read_row
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
@@ -49,29 +50,38 @@ class DeviceNormalize:
     the same order as torchvision's (``float().div(255)``, then ``sub(mean).div(std)``), so the
     result is bit for bit the loader-side transform's."""
 
-    def __init__(self, mean, std):
+    def __init__(self, mean, std, channels_last: bool = False):
         self.mean = torch.as_tensor(mean, dtype=torch.float32).reshape(-1, 1, 1)
         self.std = torch.as_tensor(std, dtype=torch.float32).reshape(-1, 1, 1)
+        self.channels_last = channels_last  # the loader hands over (B, H, W, C): permuted here, on the device
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         if images.dtype != torch.uint8:
             return images  # already normalised (a loader that kept the float transform)
         if self.mean.device != images.device:
             self.mean, self.std = self.mean.to(images.device), self.std.to(images.device)
-        return images.to(torch.float32).div(255).sub_(self.mean).div_(self.std)
+        if self.channels_last:
+            images = images.permute(0, 3, 1, 2)
+        return images.to(torch.float32, memory_format=torch.contiguous_format).div(255).sub_(self.mean).div_(self.std)
 
 
-def split_normalize(transform) -> tuple[Any, DeviceNormalize | None]:
+def split_normalize(transform, fast: bool = False) -> tuple[Any, DeviceNormalize | None]:
     """``(uint8 transform, DeviceNormalize)`` from an open_clip/torchvision ``Compose`` ending in
     to-tensor + ``Normalize``: the augmentation stays in the loader and ends in ``PILToTensor``;
-    ``(transform, None)`` for any other transform (kept whole)."""
+    ``(transform, None)`` for any other transform (kept whole). ``fast``: open_clip's plain training
+    augmentation becomes a :class:`~mmpretrain.data.crop.ResizedCrop` (crop drawn before decoding, JPEG
+    decoded reduced, (H, W, 3) batches permuted on the device)."""
     from torchvision import transforms as T
 
     steps = list(getattr(transform, "transforms", []))
     if len(steps) < 2 or not isinstance(steps[-1], T.Normalize) or type(steps[-2]).__name__ not in (
             "ToTensor", "MaybeToTensor"):
         return transform, None
-    return T.Compose([*steps[:-2], T.PILToTensor()]), DeviceNormalize(steps[-1].mean, steps[-1].std)
+    uint8 = T.Compose([*steps[:-2], T.PILToTensor()])
+    crop = fast_train_transform(uint8) if fast else None
+    if crop is not None:
+        return crop, DeviceNormalize(steps[-1].mean, steps[-1].std, channels_last=True)
+    return uint8, DeviceNormalize(steps[-1].mean, steps[-1].std)
 
 
 def augmentation_seed(seed: int, epoch: int, key: str) -> int:
@@ -120,14 +130,16 @@ class SampleDecoder:
                 emb = torch.from_numpy(self._embedding(raw[IN_TAR]))
             elif self.embeddings == "require":
                 raise SkipSample("missing_embedding")
+        aug_seed = augmentation_seed(seed, epoch, raw["__key__"])
         try:
             with warnings.catch_warnings():  # Pillow's bomb warning: max_pixels below is the cap that counts
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
                 img = Image.open(io.BytesIO(raw[ext]))
+            if isinstance(self.transform, ResizedCrop):  # one pass: crop drawn, reduced decode, resize
+                return self._item(raw, caption, emb, self.transform(img, aug_seed, self._check_pixels))
             if self.draft_size and img.format == "JPEG":
                 img.draft("RGB", (self.draft_size, self.draft_size))  # the size below is the drafted one
-            if self.max_pixels and img.width * img.height > self.max_pixels:
-                raise SkipSample("too_many_pixels")
+            self._check_pixels(img)
             img.load()
             img = img.convert("RGB")
         except Image.DecompressionBombError:
@@ -140,10 +152,17 @@ class SampleDecoder:
         gen = torch.default_generator
         saved = gen.get_state()
         try:
-            gen.manual_seed(augmentation_seed(seed, epoch, raw["__key__"]))
+            gen.manual_seed(aug_seed)
             image = self.transform(img)
         finally:
             gen.set_state(saved)
+        return self._item(raw, caption, emb, image)
+
+    def _check_pixels(self, img: Image.Image) -> None:
+        if self.max_pixels and img.width * img.height > self.max_pixels:
+            raise SkipSample("too_many_pixels")
+
+    def _item(self, raw: dict[str, Any], caption: str, emb, image: torch.Tensor) -> dict[str, Any]:
         out: dict[str, Any] = {"image": image, "text": caption, "key": raw["__key__"]}
         if emb is not None:
             out["emb"] = emb

@@ -145,17 +145,45 @@ def build_model(cfg: ExperimentConfig, objective: WeightedObjective) -> Model:
     return Model(module, model_cfg, factory.default_preprocess_cfg(model_cfg))
 
 
+def train_transform(cfg: ExperimentConfig, model: Model):
+    """``(loader transform, DeviceNormalize)``: open_clip's training transform for the model's
+    preprocessing and ``data.aug_cfg``, its augmentation in the loader (the fast crop path when it is the
+    plain random resized crop), its normalisation on the device."""
+    import warnings
+
+    from open_clip.transform import AugmentationCfg
+
+    aug = {k: v for k, v in cfg.data.aug_cfg.items() if v is not None}
+    if not aug.get("use_timm"):  # what open_clip's own transform reads; it would warn and ignore the rest
+        unused = sorted({"ratio", "re_prob", "re_count"} & set(aug))
+        if "color_jitter" in aug and not aug.get("color_jitter_prob"):
+            unused.append("color_jitter")
+        if unused:
+            raise ConfigError(f"data.aug_cfg: open_clip ignores {unused} without use_timm: true "
+                              "(color_jitter needs color_jitter_prob); set use_timm or remove them")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Unused augmentation cfg items")  # its list includes what it used
+        try:
+            full = image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=True,
+                                      aug_cfg=AugmentationCfg(**cfg.data.aug_cfg))
+        except ImportError as e:
+            raise ConfigError(f"data.aug_cfg.use_timm needs timm: pip install timm ({e})") from None
+        except (AssertionError, TypeError, ValueError) as e:
+            why = str(e) or "color_jitter_prob needs color_jitter as four numbers"
+            raise ConfigError(f"open_clip rejects data.aug_cfg={cfg.data.aug_cfg}: {why}") from None
+    return split_normalize(full, fast=True)
+
+
 def build_loader(cfg: ExperimentConfig, data: Data, model: Model, objective: WeightedObjective, target_from: str,
                  position: StreamPosition | None, rank: int, pin_memory: bool, embedding_dim: int | None = None,
                  transform=None):
     """The rank's loader; ``position``: a restored stream position to continue from (None: the start);
     ``transform``: the loader's image transform (default: open_clip's training transform)."""
     size = model.preprocess_cfg["size"]
-    transform = transform or image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=True)
-    decoder = SampleDecoder(
+    transform = transform or train_transform(cfg, model)[0]
+    decoder = SampleDecoder(  # no whole-image draft: the fast crop path reduces from the crop box itself
         transform,
         embeddings={"shards": "require", "online": "ignore", "none": "ignore"}[target_from],
-        draft_size=max(size) if isinstance(size, (list, tuple)) else size,
         labels=objective.needs_labels, embedding_dim=embedding_dim, max_pixels=cfg.data.max_pixels,
     )
     stream = TrainStream(data.plan, decoder, rank, start=position.state() if position is not None else None,
@@ -250,7 +278,7 @@ def setup(cfg: ExperimentConfig) -> Run:
     set_seed(cfg.seed, device_specific=True)
     state = TrainState(build_position(data.plan, saved, rank, world, ckpt))
     # the augmentation ends in uint8 in the loader; normalisation runs on the device (train_step)
-    transform, normalize = split_normalize(image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=True))
+    transform, normalize = train_transform(cfg, model)
     loader = build_loader(cfg, data, model, objective, target_from, state.position if saved is not None else None, rank,
                           acc.device.type == "cuda", embedding_dim(cfg, data.sources, target_from, model), transform)
     configure_engine(cfg, acc, data.schedule)

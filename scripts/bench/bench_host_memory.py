@@ -74,7 +74,7 @@ def main() -> int:
     from mmpretrain.data.stream import TrainStream, make_loader
 
     full = image_transform_v2(PreprocessCfg(size=args.image_size), is_train=True)
-    uint8, _ = split_normalize(full)  # ours hands over uint8 and normalises on the device
+    uint8, _ = split_normalize(full, fast=True)  # ours hands over uint8 and normalises on the device
     tokenizer = open_clip.get_tokenizer("ViT-B-32")
     B, W = args.batch_size, args.workers
     batch = host_memory.batch_bytes(B, args.image_size, 77)
@@ -87,7 +87,7 @@ def main() -> int:
         sources = resolve_sources(str(train))
         for prefetch in (4, 2):
             plan = StreamPlan(sources, "resampled", 0, 1, W, B, B * W * 20, 1000)
-            decoder = SampleDecoder(uint8, embeddings="ignore", draft_size=args.image_size)
+            decoder = SampleDecoder(uint8, embeddings="ignore")
             loader = make_loader(TrainStream(plan, decoder, 0, tokenizer=tokenizer), W, prefetch_factor=prefetch)
             it = iter(loader)
             peak = watch(it)

@@ -55,8 +55,7 @@ def main() -> int:
             return open_clip_rate(pattern, transform, tokenizer, args.batch_size, args.workers, args.epochs)
 
         def ours() -> float:
-            return stream_rate(sources, transform, tokenizer, args.batch_size, args.workers, args.epochs,
-                               args.image_size)
+            return stream_rate(sources, transform, tokenizer, args.batch_size, args.workers, args.epochs)
 
         ref_runs, our_runs = [], []
         for _ in range(args.repeats):

@@ -147,15 +147,17 @@ def open_clip_rate(pattern: str, transform, tokenizer, batch_size: int, workers:
     return seen / dt
 
 
-def stream_rate(sources, transform, tokenizer, batch_size: int, workers: int, epochs: int, draft_size: int) -> float:
-    """Images/s of our training stream (epoch mode, one rank) over ``epochs`` passes (worker start included)."""
-    from mmpretrain.data.decode import SampleDecoder
+def stream_rate(sources, transform, tokenizer, batch_size: int, workers: int, epochs: int) -> float:
+    """Images/s of our training stream (epoch mode, one rank) over ``epochs`` passes (worker start included),
+    with open_clip's training ``transform`` split as the trainer splits it (the fast crop path, uint8 out,
+    normalised on the device)."""
+    from mmpretrain.data.decode import SampleDecoder, split_normalize
     from mmpretrain.data.plan import StreamPlan
     from mmpretrain.data.stream import TrainStream, make_loader
 
     n = sum(s.num_samples for s in sources)
     plan = StreamPlan(sources, "epoch", 0, 1, max(1, workers), batch_size, n, 1000)
-    decoder = SampleDecoder(transform, embeddings="ignore", draft_size=draft_size)
+    decoder = SampleDecoder(split_normalize(transform, fast=True)[0], embeddings="ignore")
     t0 = time.perf_counter()
     it = iter(make_loader(TrainStream(plan, decoder, 0, tokenizer=tokenizer), workers))
     seen = 0

@@ -120,7 +120,7 @@ def step_section(args, device, data: Path) -> dict:
         # on the host), full-length tokens, ClipLoss, torch's default AdamW, the clamp
         images = batch["images"]
         if run.normalize is not None:  # the same normalisation, on the host (a copy: run.normalize stays on the device)
-            images = DeviceNormalize(run.normalize.mean.cpu(), run.normalize.std.cpu())(images)
+            images = DeviceNormalize(run.normalize.mean.cpu(), run.normalize.std.cpu(), run.normalize.channels_last)(images)
         tokens = batch["tokens"]
         if device.type == "cuda":
             images, tokens = images.pin_memory(), tokens.pin_memory()

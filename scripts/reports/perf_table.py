@@ -25,13 +25,15 @@ WHAT = {
     "train": "training samples/s, `mmpretrain.train` / open_clip_train `main`: same tiny ViT, shards, batch, workers, fp32",
     "loader": "training-stream images/s / open_clip_train `get_wds_dataset` (256 px JPEG shards, 32 px input)",
     "loader_photo": "training-stream images/s / open_clip_train `get_wds_dataset` (photo JPEGs 256-512 px, 224 px input)",
+    "loader_photo_limit": "training-stream images/s / the decode limit (Pillow decode + open_clip's crop to uint8, "
+                          "as many processes as workers; the loader_photo run)",
     "loss": "clip tiled / open_clip `ClipLoss`, loss-internal peak memory at B = 16,384",
     "regions": "training step, region-weighted CLIP [5, 10, 20] / plain CLIP (tiny config, k-means every 20 steps)",
     "eval": "zero-shot images/s, `mmpretrain.eval` / clip_benchmark (5,000 MNIST digits)",
     "embed": "`data_tools embed` (sidecars) / raw `SentenceTransformer.encode`, sentences/s, 20,000 captions",
     "train_global_clip": "training step, `global_clip` (FastCLIP-v3) / plain CLIP, seconds per step (tiny config)",
 }
-ORDER = ["train", "train_global_clip", "loader", "loader_photo", "loss", "regions", "eval", "embed"]
+ORDER = ["train", "train_global_clip", "loader", "loader_photo", "loader_photo_limit", "loss", "regions", "eval", "embed"]
 
 
 def fmt(x: float) -> str:

@@ -1,0 +1,52 @@
+"""Photo-like JPEGs for the loader's tests and benchmarks: the colour photos scikit-image and scikit-learn
+ship (read from their package files, nothing fetched), each JPEG a different random crop (area 30-100 %,
+aspect 1:1, 4:3, 3:2, 2:1 or portrait), flip and scale (shorter side 256-512 px), quality 90, as
+img2dataset writes web images. scikit-image is a dev dependency."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+ASPECTS = (1.0, 4 / 3, 3 / 2, 2.0, 3 / 4, 2 / 3)
+
+
+def photos() -> list[tuple[str, np.ndarray]]:
+    """The colour photos the two packages ship, read from their files (nothing is fetched)."""
+    import skimage.data
+    from sklearn.datasets import load_sample_images
+
+    here = Path(skimage.data.__file__).parent
+    files = {"astronaut": "astronaut.png", "cat": "chelsea.png", "coffee": "coffee.png", "rocket": "rocket.jpg",
+             "motorcycle": "motorcycle_left.png", "retina": "retina.jpg", "galaxies": "hubble_deep_field.jpg",
+             "tissue": "ihc.png"}
+    out = [(n, np.asarray(Image.open(here / f).convert("RGB"))) for n, f in files.items()]
+    return out + list(zip(("china", "flower"), load_sample_images().images))
+
+
+def make_jpegs(n: int, seed: int = 0, short_side: tuple[int, int] = (256, 512)) -> list[tuple[str, bytes]]:
+    """``n`` distinct photo JPEGs with captions, shorter side uniform in ``short_side`` (inclusive)."""
+    rng = np.random.default_rng(seed)
+    src = photos()
+    out = []
+    for i in range(n):
+        name, arr = src[i % len(src)]
+        img = Image.fromarray(arr)
+        w, h = img.size
+        aspect = ASPECTS[rng.integers(len(ASPECTS))]
+        area = rng.uniform(0.3, 1.0) * w * h
+        cw, ch = min(w, int(round((area * aspect) ** 0.5))), min(h, int(round((area / aspect) ** 0.5)))
+        x, y = rng.integers(0, w - cw + 1), rng.integers(0, h - ch + 1)
+        img = img.crop((x, y, x + cw, y + ch))
+        if rng.random() < 0.5:
+            img = img.transpose(Image.FLIP_LEFT_RIGHT)
+        short = rng.integers(short_side[0], short_side[1] + 1)
+        s = short / min(img.size)
+        img = img.resize((max(1, round(img.width * s)), max(1, round(img.height * s))), Image.BICUBIC)
+        buf = io.BytesIO()
+        img.save(buf, "JPEG", quality=90)
+        out.append((f"a photo of {name.replace('_', ' ')}, view {i}", buf.getvalue()))
+    return out
