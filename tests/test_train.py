@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from mmpretrain.losses.base import Objective
@@ -262,6 +263,9 @@ def test_region_weighting_trains_logs_and_resumes_exactly(openmoji, tmp_path):
     a = tmp_path / "a"
     r = _train(openmoji, a, regions)
     assert r.returncode == 0, r.stderr[-3000:]
+    # the start line and config.yaml state the largest matrix a step builds: the 16 x 16 logits
+    assert "note: regions builds at most 256 elements per matrix on a rank" in r.stderr
+    assert yaml.safe_load((a / "config.yaml").read_text())["resolved"]["largest_matrix"] == 256
     records = [json.loads(x) for x in (a / "log.jsonl").read_text().splitlines()]
     assert [r["regions/active"] for r in records] == [0, 0, 1, 1, 1, 1]  # warm-up: global term only
     assert all(r["regions_loss"] == r["regions/global"] for r in records[:2])

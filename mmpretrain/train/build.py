@@ -213,12 +213,12 @@ def make_optimizer(cfg: ExperimentConfig, module: torch.nn.Module) -> torch.opti
 
 
 def write_run_files(files: RunFolder, cfg: ExperimentConfig, data: Data, model: Model, target_from: str,
-                    world_size: int, records: list[dict[str, Any]]) -> None:
+                    world_size: int, records: list[dict[str, Any]], largest: int) -> None:
     """config.yaml (resolved), model_config.json, provenance.json (with the training data's manifests)
     and log.jsonl (the records kept from before a resume). Main process."""
     files.root.mkdir(parents=True, exist_ok=True)
     resolved = dict(asdict(data.schedule), targets=target_from, readers_per_rank=data.plan.workers,
-                    dropped_per_epoch=data.plan.dropped_per_epoch)
+                    dropped_per_epoch=data.plan.dropped_per_epoch, largest_matrix=largest)
     files.config.write_text(to_yaml(cfg, resolved))
     files.write_model_config(model.model_cfg, model.preprocess_cfg)
     sources = [provenance_record(s.spec, s.manifest, s.num_samples) for s in data.sources]
@@ -290,7 +290,11 @@ def setup(cfg: ExperimentConfig) -> Run:
     records = restore_state(acc, objective, state, files, ckpt, saved) if saved is not None else []
     acc.wait_for_everyone()
     if acc.is_main_process:
-        write_run_files(files, cfg, data, model, target_from, world, records)
+        largest = objective.largest_matrix(cfg.data.batch_size)
+        label = " + ".join(getattr(objective, "names", None) or [getattr(objective, "name", "the objective")])
+        print(f"note: {label} builds at most {largest:,} elements per matrix on a rank "
+              f"({largest * 4 / 2**20:,.1f} MiB in fp32) at {cfg.data.batch_size} x {world} samples", file=sys.stderr)
+        write_run_files(files, cfg, data, model, target_from, world, records, largest)
     acc.wait_for_everyone()
     evaluator = None
     if cfg.eval is not None:
