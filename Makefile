@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM ?= false
 DATA := data/openmoji
 RUN := runs/demo
 
-.PHONY: setup demo test test-unit test-slow deepspeed img2dataset gpu-bundle lint bench clean
+.PHONY: setup demo test test-unit test-slow deepspeed img2dataset gpu-bundle openmoji-all noto lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -63,6 +63,26 @@ $(IMG2DATASET)/.installed:
 	touch $@
 
 img2dataset: $(IMG2DATASET)/.installed
+
+# The OpenMoji evidence bed (data_tools/emoji_bed.py): every named OpenMoji emoji at 64 px, labelled by
+# Unicode subgroup, embedded with MiniLM, plus data/openmoji-all/noto/, its held-out emoji drawn by Google's
+# Noto (Apache-2.0). `make noto` fetches npm's emoji-datasource-google@16.0.0 (74 MB download; 3,786
+# 64-px PNGs and emoji.json kept, 22 MB) into .cache/noto: the only step here that needs npm.
+OPENMOJI_ALL := data/openmoji-all
+NOTO := .cache/noto/emoji-datasource-google-16.0.0
+$(NOTO)/.unpacked:
+	mkdir -p $(NOTO)
+	cd $(NOTO) && npm pack --silent emoji-datasource-google@16.0.0 > /dev/null && \
+	    tar xzf emoji-datasource-google-16.0.0.tgz package/emoji.json package/LICENSE package/img/google/64 && \
+	    rm emoji-datasource-google-16.0.0.tgz
+	touch $@
+
+noto: $(NOTO)/.unpacked
+
+openmoji-all: setup noto
+	$(BIN)/python -m data_tools build demo:openmoji-all --out $(OPENMOJI_ALL) --image-size 64 --shard-size 500 \
+	    --second-style $(NOTO) --overwrite
+	$(BIN)/python -m data_tools embed $(OPENMOJI_ALL) --model sentence-transformers/all-MiniLM-L6-v2
 
 # What scripts/bench/bench_gpu.sh needs on a GPU machine without network: cp312 wheels of the dependencies its
 # image lacks and a small embedded OpenMoji dataset, ~20 MiB in .cache/gpu-bundle (PyPI access here).

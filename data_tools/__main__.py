@@ -14,12 +14,15 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("build", help="write WebDataset shards (+ sizes.json, manifest.json) from a source")
     b.add_argument("source", help="a .tsv/.csv/.parquet table, an image folder, an img2dataset output folder, "
-                   "a saved HF dataset folder or hf:NAME[:SPLIT], or demo:openmoji / demo:mnist (packaged real data)")
+                   "a saved HF dataset folder or hf:NAME[:SPLIT], or demo:openmoji / demo:openmoji-all / demo:mnist (packaged real data)")
     b.add_argument("--out", required=True, help="dataset folder to write (demo sources: train/ and test/ inside)")
     b.add_argument("--source-type", default=None, choices=["table", "folder", "img2dataset", "hf", "demo"],
                    help="force the source kind instead of detecting it from the path")
     b.add_argument("--image-column", default=None, help="table/HF column with the image (default: image)")
     b.add_argument("--caption-column", default=None, help="table/HF column with the caption (default: caption; HF: text)")
+    b.add_argument("--extra-captions-column", default=None, metavar="COLUMN",
+                   help="table/HF column with more captions per image (a list, or a JSON array in TSV/CSV): kept as "
+                   "'captions' in each sample's json; training draws one caption per epoch (data.captions)")
     b.add_argument("--key-column", default=None, help="table column with sample keys (default: the row number)")
     b.add_argument("--base-dir", default=None, help="folder that table image paths are relative to (default: the table's)")
     b.add_argument("--captions", default=None, help="image folder: captions file (TSV/CSV file,caption or JSON)")
@@ -33,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="processes writing shards (also split across ranks under accelerate launch)")
     b.add_argument("--limit", type=int, default=None, help="demo/folder: use only the first N items")
     b.add_argument("--overwrite", action="store_true", help="replace an existing dataset in --out")
+    b.add_argument("--second-style", default=None, metavar="NOTO_DIR",
+                   help="demo:openmoji-all: the unpacked npm emoji-datasource-google@16.0.0 (`make noto`); writes "
+                   "OUT/noto/, the held-out emoji in Noto's drawing style")
 
     e = sub.add_parser("embed", help="frozen sentence-transformer caption embeddings, stored beside the shards "
                        "(no shard is rewritten)")
@@ -71,7 +77,8 @@ def _run(args) -> int:
                         source_type=args.source_type, image_column=args.image_column,
                         caption_column=args.caption_column, key_column=args.key_column, base_dir=args.base_dir,
                         captions=args.captions, workers=args.workers, shard_bytes=args.shard_bytes,
-                        quality=args.quality, max_pixels=args.max_pixels)
+                        quality=args.quality, max_pixels=args.max_pixels, second_style=args.second_style,
+                        extra_captions_column=args.extra_captions_column)
         print(json.dumps(summary, indent=2))
         return 0
     if args.cmd == "embed":

@@ -10,7 +10,7 @@ import webdataset as wds
 from mmpretrain.data.manifest import MANIFEST, SIZES, read_sizes, write_json_atomic
 from mmpretrain.data.tar import read_tar
 
-DEMO_SOURCES = ("demo:openmoji", "demo:mnist")
+DEMO_SOURCES = ("demo:openmoji", "demo:openmoji-all", "demo:mnist")
 
 
 class BuildError(RuntimeError):
@@ -88,6 +88,8 @@ def _check_out(out: Path, overwrite: bool) -> None:
     ours |= {out / f for f in (*WDS_FILES, MANIFEST, SIZES)}
     # demo:mnist's out-of-domain set (scikit-learn's digits), in its own clip_benchmark root
     ours |= {out / "digits" / f for f in WDS_FILES} | {out / "digits/test" / f for f in ("0.tar", "nshards.txt")}
+    # demo:openmoji-all's second drawing style (data_tools/emoji_bed.py), also a clip_benchmark root
+    ours |= {out / "noto" / f for f in (*WDS_FILES, "test/0.tar", "test/nshards.txt", MANIFEST)}
     ours = {f for f in ours if f.is_file()}
     foreign = [t for sub in ("train", "test") for t in _foreign_tars(out / sub, ours)]
     if foreign:
@@ -222,7 +224,8 @@ def build(source: str, out: str | Path, *, image_size: int, shard_size: int, lim
           image_format: str | None = None, overwrite: bool = False, source_type: str | None = None,
           image_column: str | None = None, caption_column: str | None = None, key_column: str | None = None,
           base_dir: str | None = None, captions: str | None = None, workers: int = 1, shard_bytes: float = 1e9,
-          quality: int = 95, max_pixels: int = 64_000_000) -> dict:
+          quality: int = 95, max_pixels: int = 64_000_000, second_style: str | None = None,
+          extra_captions_column: str | None = None) -> dict:
     """Build ``out`` from ``source``. Demo sources write ``out/train`` and ``out/test``; other sources
     write one dataset folder ``out``. Re-running an interrupted build of the same source resumes it."""
     from data_tools.parallel import build_parallel
@@ -234,12 +237,19 @@ def build(source: str, out: str | Path, *, image_size: int, shard_size: int, lim
     if source.startswith("demo:") or source_type == "demo":
         if source not in DEMO_SOURCES:
             raise BuildError(f"unknown demo source {source!r}; packaged ones: {', '.join(DEMO_SOURCES)}")
+        if second_style and source != "demo:openmoji-all":
+            raise BuildError(f"--second-style is for demo:openmoji-all (the Noto images of its held-out emoji), not {source}")
         _check_out(out, overwrite)
+        if source == "demo:openmoji-all":
+            from data_tools.emoji_bed import build_openmoji_all
+
+            return build_openmoji_all(out, image_size, shard_size, limit, image_format or "png", workers, second_style)
         demo = build_mnist if source == "demo:mnist" else build_openmoji
         return demo(out, image_size, shard_size, limit, image_format or "png", workers)
     try:
         src = open_source(source, source_type, image_column=image_column, caption_column=caption_column,
-                          base_dir=base_dir, key_column=key_column, captions=captions)
+                          base_dir=base_dir, key_column=key_column, captions=captions,
+                          extra_column=extra_captions_column)
     except SourceError as e:
         raise BuildError(str(e)) from None
     if limit is not None and hasattr(src, "files"):
@@ -249,7 +259,8 @@ def build(source: str, out: str | Path, *, image_size: int, shard_size: int, lim
     manifest = {"source": str(source), "source_kind": src.kind,
                 "options": dict(opts, shard_size=shard_size, image_column=image_column,
                                 caption_column=caption_column, key_column=key_column, base_dir=base_dir,
-                                limit=limit)}
+                                limit=limit, **({"extra_captions_column": extra_captions_column}
+                                                if extra_captions_column else {}))}
     _claim_out(out, manifest, overwrite)
     return build_parallel(src, out, prefix=out.resolve().name or "shard", shard_size=shard_size,
                           workers=workers, opts=opts, manifest=manifest)

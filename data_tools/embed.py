@@ -20,7 +20,16 @@ from pathlib import Path
 import numpy as np
 
 from mmpretrain.data.manifest import MANIFEST, SIZES, read_manifest, write_json_atomic
-from mmpretrain.data.sidecar import INDEX, LAYOUT, SUFFIXES, read_index, shard_bytes, write_shard
+from mmpretrain.data.sidecar import (
+    EXTRA_SUFFIXES,
+    INDEX,
+    LAYOUT,
+    SUFFIXES,
+    VERSION,
+    read_index,
+    shard_bytes,
+    write_shard,
+)
 from mmpretrain.data.sources import Source, resolve_source
 from mmpretrain.data.tar import UNREADABLE, read_tar
 from mmpretrain.data.urls import shard_path
@@ -116,27 +125,41 @@ def _shard_done(emb_dir: Path, url: str, model: str) -> dict | None:
     except (OSError, ValueError):
         return None
     fresh = done.get("model") == model and {k: done.get(k) for k in ("bytes", "mtime_ns")} == _fingerprint(url)
-    files = all((emb_dir / (name + s)).is_file() for s in SUFFIXES)
+    fresh = fresh and "extra" in done  # a shard embedded before the extra captions were read: again
+    files = all((emb_dir / (name + s)).is_file() for s in SUFFIXES + (EXTRA_SUFFIXES if done.get("extra") else ()))
     return done if fresh and files else None
 
 
-def _read_captions(url: str, expected: int) -> tuple[list[str], list[str | None]]:
-    """The shard's keys and captions in sample order (only the ``txt`` members are read)."""
-    keys, captions = [], []
+def _extra_captions(data: bytes | None) -> list[str]:
+    """The extra captions of a sample's ``json`` member (``captions``: a list of strings), as training
+    reads them (:func:`mmpretrain.data.decode.caption_pool`); [] when there are none or they are unusable
+    (training skips such a sample as ``bad_captions``)."""
+    from mmpretrain.data.decode import SkipSample, caption_pool
+
     try:
-        for s in read_tar(url, only=("txt",)):
+        return caption_pool({"json": data} if data is not None else {})[0]
+    except SkipSample:
+        return []
+
+
+def _read_captions(url: str, expected: int) -> tuple[list[str], list[str | None], list[list[str]]]:
+    """The shard's keys, captions and extra captions in sample order (only ``txt`` and ``json`` are read)."""
+    keys, captions, extra = [], [], []
+    try:
+        for s in read_tar(url, only=("txt", "json")):
             keys.append(s["__key__"])
             try:
                 captions.append(s["txt"].decode("utf-8") if "txt" in s else None)
             except UnicodeDecodeError:
                 captions.append(None)
+            extra.append(_extra_captions(s.get("json")))
     except UNREADABLE as e:
         raise EmbedError(f"{url}: unreadable after {len(keys)} samples ({e.__class__.__name__}: {e}); "
                          "run `data_tools verify` and rebuild the shard") from None
     if len(keys) != expected:
         raise EmbedError(f"{url}: {len(keys)} samples, sizes.json says {expected}; run `data_tools verify` "
                          "and rebuild the shard or its sizes.json")
-    return keys, captions
+    return keys, captions, extra
 
 
 def embed_shards(source: Source, emb_dir: Path, todo: list[int], model: str, encoder, batch_size: int,
@@ -162,16 +185,20 @@ def embed_shards(source: Source, emb_dir: Path, todo: list[int], model: str, enc
     def read(g):
         return [(source.urls[k], *_read_captions(source.urls[k], source.sizes[k])) for k in g]
 
-    def write(shards, embs):
-        i = 0
-        for url, keys, captions in shards:
+    def write(shards, embs, extra_embs):
+        i = j = 0
+        for url, keys, captions, extra in shards:
             rows = embs[i:i + len(keys)]
             i += len(keys)
+            offsets = np.cumsum([0] + [len(e) for e in extra])
+            n_extra = int(offsets[-1])
+            side = (extra_embs[j:j + n_extra], offsets) if n_extra else None
+            j += n_extra
             name = os.path.basename(shard_path(url))
-            write_shard(emb_dir, name, keys, rows)
+            write_shard(emb_dir, name, keys, rows, side)
             write_json_atomic(_marker(emb_dir, name), {
                 "model": model, "dim": int(rows.shape[1]), "count": len(keys), "first_key": keys[0] if keys else None,
-                "no_caption": sum(c is None for c in captions), **_fingerprint(url)})
+                "no_caption": sum(c is None for c in captions), "extra": n_extra, **_fingerprint(url)})
 
     total = 0
     with ThreadPoolExecutor(max_workers=2) as io_pool:
@@ -181,17 +208,21 @@ def embed_shards(source: Source, emb_dir: Path, todo: list[int], model: str, enc
             shards = next_read.result()
             if k + 1 < len(groups):
                 next_read = io_pool.submit(read, groups[k + 1])
-            captions = [c for _, _, caps in shards for c in caps]
+            captions = [c for _, _, caps, _ in shards for c in caps]
             present = [c for c in captions if c is not None]
-            enc = encoder.encode(present, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True)
+            extras = [c for _, _, _, ex in shards for e in ex for c in e]
+            # one encode call for caption 0 and the extra captions: sentence-transformers sorts them by length
+            enc_all = encoder.encode(present + extras, batch_size=batch_size, normalize_embeddings=True,
+                                     convert_to_numpy=True)
+            enc, extra_embs = enc_all[:len(present)], enc_all[len(present):].astype(np.float16)
             # a sample without a caption keeps its row (rows follow the shard's order) as NaN: the
             # stream skips it for its missing caption before it would read the row
             embs = np.full((len(captions), enc.shape[1]), np.nan, dtype=np.float16)
             embs[[j for j, c in enumerate(captions) if c is not None]] = enc.astype(np.float16)
             if pending is not None:
                 pending.result()
-            pending = io_pool.submit(write, shards, embs)
-            total += len(present)
+            pending = io_pool.submit(write, shards, embs, extra_embs)
+            total += len(present) + len(extras)
         pending.result()
     return total
 
@@ -233,9 +264,10 @@ def embed(path: str | Path, model: str, *, out: str | Path | None = None, overwr
             if not all(records):
                 raise EmbedError(f"{emb_dir}: {records.count(None)} shard(s) not embedded; run embed again")
             dim = records[0]["dim"]
-            index = {"model": model, "dim": dim, "normalized": True, "dtype": "float16",
-                     "count": sum(r["count"] for r in records),
-                     "shards": {os.path.basename(shard_path(url)): {k: r[k] for k in ("count", "bytes", "first_key")}
+            index = {"version": VERSION, "model": model, "dim": dim, "normalized": True, "dtype": "float16",
+                     "count": sum(r["count"] for r in records), "extra_captions": sum(r["extra"] for r in records),
+                     "shards": {os.path.basename(shard_path(url)): {k: r[k] for k in ("count", "bytes", "first_key",
+                                                                                     "extra")}
                                 for url, r in zip(source.urls, records)}}
             write_json_atomic(emb_dir / INDEX, index)
             if dataset is not None and dataset == emb_dir:  # our own dataset folder: its manifest says so too

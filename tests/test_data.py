@@ -29,7 +29,7 @@ def test_build_layout(openmoji):
             assert rows.dtype == np.float16 and rows.shape == (n, 384) and keys == [s["__key__"] for s in samples]
             assert np.allclose(np.linalg.norm(rows.astype(np.float32), axis=1), 1, atol=1e-2)
             assert index["shards"][name] == {"count": n, "bytes": (openmoji / split / name).stat().st_size,
-                                             "first_key": keys[0]}
+                                             "first_key": keys[0], "extra": 0}
     # clip_benchmark's wds layout for the labelled held-out split
     classes = (openmoji / "classnames.txt").read_text().split("\n")[:-1]
     assert len(classes) >= 2

@@ -220,3 +220,33 @@ def test_build_and_embed_on_two_ranks(tmp_path, emoji_images):
         assert Path(f"{a}.keys.txt").read_text() == Path(f"{b}.keys.txt").read_text()
         np.testing.assert_allclose(np.load(f"{a}.emb.npy").astype(np.float32),
                                    np.load(f"{b}.emb.npy").astype(np.float32), atol=2e-3)
+
+
+def test_a_caption_list_column_becomes_the_samples_extra_captions(tmp_path, emoji_images):
+    """--extra-captions-column: a list column (parquet, HF) or a JSON array (CSV) lands as 'captions' in
+    each sample's json (caption 0 stays in txt); a cell that is not a list of strings is a counted skip."""
+    import datasets
+    import pandas as pd
+
+    extra = [[f"{c} drawn", f"an icon: {c}"] if i % 3 else [] for i, (_, c) in enumerate(emoji_images)]
+    paths, caps = [str(p) for p, _ in emoji_images], [c for _, c in emoji_images]
+    pd.DataFrame({"image": paths, "caption": caps, "more": extra}).to_parquet(tmp_path / "t.parquet")
+    cells = [json.dumps(e) for e in extra]
+    cells[1] = "not json"
+    pd.DataFrame({"image": paths, "caption": caps, "more": cells}).to_csv(tmp_path / "t.csv", index=False)
+    ds = datasets.Dataset.from_dict({"image": paths, "text": caps, "more": extra}).cast_column("image", datasets.Image())
+    ds.save_to_disk(str(tmp_path / "hfds"))
+    for name, skipped in (("t.parquet", {}), ("t.csv", {"bad_extra_captions": 1}), ("hfds", {})):
+        out = tmp_path / f"out_{name}"
+        res = build(str(tmp_path / name), out, extra_captions_column="more", **KW)
+        assert res["skipped"] == skipped, name
+        sizes = json.loads((out / "sizes.json").read_text())
+        got = {int(json.loads(s["json"])["source_row"]): (s["txt"].decode(), json.loads(s["json"]).get("captions"))
+               for n in sizes for s in read_tar(out / n)}
+        for i, (cap, more) in got.items():
+            assert cap == caps[i] and more == (extra[i] or None), (name, i)
+        assert len(got) == 20 - sum(skipped.values())
+    with pytest.raises(BuildError, match="more2"):
+        build(str(tmp_path / "t.csv"), tmp_path / "x", extra_captions_column="more2", **KW)
+    with pytest.raises(BuildError, match="tables and HF"):
+        build(str(emoji_images[0][0].parent), tmp_path / "y", extra_captions_column="more", **KW)

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from data_tools.sources.records import MISSING_FILE, RangeSource, Record, SourceError, read_source_file
+from data_tools.images import BadImage
+from data_tools.sources.records import (
+    MISSING_FILE,
+    RangeSource,
+    Record,
+    SourceError,
+    extra_captions,
+    read_source_file,
+)
 
 
 class HFSource(RangeSource):
@@ -10,14 +18,15 @@ class HFSource(RangeSource):
 
     kind = "hf"
 
-    def __init__(self, spec: str, image_column: str, caption_column: str):
+    def __init__(self, spec: str, image_column: str, caption_column: str, extra_column: str | None = None):
         self.spec, self.image_column, self.caption_column = spec, image_column, caption_column
+        self.extra_column = extra_column
         self._ds = None
         ds = self._dataset()
-        missing = [c for c in (image_column, caption_column) if c not in ds.column_names]
+        missing = [c for c in (image_column, caption_column, extra_column) if c and c not in ds.column_names]
         if missing:
             raise SourceError(f"{spec}: column(s) {missing} not found; columns are {ds.column_names} "
-                              "(choose with --image-column / --caption-column)")
+                              "(choose with --image-column / --caption-column / --extra-captions-column)")
 
     def _dataset(self):
         if self._ds is None:
@@ -61,5 +70,12 @@ class HFSource(RangeSource):
                 data, error = read_source_file(img["path"])
         elif isinstance(img, str):
             data, error = read_source_file(img)
-        return Record(f"{i:09d}", image=data, caption=row[self.caption_column], meta={"source_row": i},
+        meta = {"source_row": i}
+        if self.extra_column:
+            try:
+                if extra := extra_captions(row[self.extra_column]):
+                    meta["captions"] = extra
+            except BadImage as e:
+                return Record(f"{i:09d}", caption=row[self.caption_column], meta=meta, error=e.reason)
+        return Record(f"{i:09d}", image=data, caption=row[self.caption_column], meta=meta,
                       error=error or (MISSING_FILE if data is None else None))

@@ -31,6 +31,7 @@ OUTSIDE_BASE_DIR = "outside_base_dir"
 NOT_A_REGULAR_FILE = "not_a_regular_file"
 FILE_TOO_LARGE = "file_too_large"
 CAPTION_TOO_LONG = "caption_too_long"
+BAD_EXTRA_CAPTIONS = "bad_extra_captions"
 
 # a caption past this is page text, not a caption (the text towers read 77 tokens, ~300 characters)
 MAX_CAPTION_CHARS = 16_384
@@ -65,6 +66,23 @@ def decode_caption(caption: str | bytes | None) -> str:
     if len(caption) > MAX_CAPTION_CHARS:
         raise BadImage(CAPTION_TOO_LONG, f"{len(caption)} characters")
     return caption
+
+
+def extra_captions(value: Any) -> list[str]:
+    """A caption-list cell (``--extra-captions-column``): a list of strings (parquet, HF ``Sequence``) or
+    a JSON array of strings (TSV/CSV); empty or missing: []. Raises BadImage(BAD_EXTRA_CAPTIONS)."""
+    import json
+
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return []
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise BadImage(BAD_EXTRA_CAPTIONS, "not a JSON array of strings") from None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(c, str) for c in value):
+        raise BadImage(BAD_EXTRA_CAPTIONS, "not a list of strings")
+    return [decode_caption(c) for c in value]
 
 
 def decode_image(data: bytes | Image.Image | None, max_pixels: int) -> Image.Image:

@@ -84,6 +84,10 @@ class DataConfig(_Strict):
                                     "settings (its --aug-cfg: scale, color_jitter, color_jitter_prob, gray_scale_prob, "
                                     "use_timm, ratio, re_prob, re_count); scale alone keeps the fast crop path, the "
                                     "others run torchvision's / timm's transform")
+    captions: Literal["sample", "first"] = Field(
+        "sample", description="sample: each epoch trains on one of a sample's captions ({key}.txt and the extra "
+        "'captions' of its {key}.json), drawn by (seed, epoch, key), with the drawn caption's embedding row; first: "
+        "{key}.txt only")
     max_pixels: int = Field(64_000_000, gt=0, description="images with more pixels (after JPEG draft scaling) are "
                             "skipped as too_many_pixels before decoding, as data_tools build --max-pixels")
     remote: RemoteConfig = Field(default_factory=RemoteConfig, description="retries, backoff and timeout for "

@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
+import random
 import warnings
 from typing import Any
 
@@ -84,6 +86,37 @@ def split_normalize(transform, fast: bool = False) -> tuple[Any, DeviceNormalize
     return uint8, DeviceNormalize(steps[-1].mean, steps[-1].std)
 
 
+def caption_pool(raw: dict[str, Any]) -> tuple[list[str], list[float] | None]:
+    """A sample's extra captions (``captions`` in its ``json``: caption 0 stays in ``txt``) and the
+    optional ``caption_weights``, one per caption with caption 0 first; ``([], None)`` without them.
+    Raises :class:`SkipSample` ``bad_captions`` for a field that is not that."""
+    if "json" not in raw:
+        return [], None
+    try:
+        meta = json.loads(raw["json"])
+    except (ValueError, UnicodeDecodeError):
+        return [], None  # an unreadable json is no caption list (its label, if any, reads as unknown)
+    extra = meta.get("captions") if isinstance(meta, dict) else None
+    if extra is None:
+        return [], None
+    if not isinstance(extra, list) or not all(isinstance(c, str) and c.strip() for c in extra):
+        raise SkipSample("bad_captions")
+    weights = meta.get("caption_weights")
+    if weights is not None:
+        if (not isinstance(weights, list) or len(weights) != len(extra) + 1
+                or not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
+                           for w in weights) or sum(weights) <= 0):
+            raise SkipSample("bad_captions")
+    return [c.strip() for c in extra], weights
+
+
+def draw_caption(n: int, weights: list[float] | None, seed: int, epoch: int, key: str) -> int:
+    """Which of a sample's ``n`` captions this epoch trains on: seeded by (seed, epoch, key) only, so a
+    resumed or re-sharded run draws the same one (uniform, or by ``weights``)."""
+    rng = random.Random(augmentation_seed(seed, epoch, key + "/caption"))
+    return rng.choices(range(n), weights=weights)[0] if weights else rng.randrange(n)
+
+
 def augmentation_seed(seed: int, epoch: int, key: str) -> int:
     h = hashlib.blake2b(f"{seed}:{epoch}:{key}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & (2**63 - 1)
@@ -102,8 +135,9 @@ class SampleDecoder:
     build's cap against decompression bombs)."""
 
     def __init__(self, transform, embeddings: str = "optional", draft_size: int | None = None, labels: bool = False,
-                 embedding_dim: int | None = None, max_pixels: int | None = 64_000_000):
+                 embedding_dim: int | None = None, max_pixels: int | None = 64_000_000, captions: str = "sample"):
         self.transform = transform
+        self.captions = captions  # "sample": one of caption 0 and the extra captions per epoch; "first": caption 0
         self.labels = labels
         self.embeddings = embeddings
         self.draft_size = draft_size
@@ -122,9 +156,19 @@ class SampleDecoder:
             raise SkipSample("caption_not_utf8") from None
         if not caption:
             raise SkipSample("empty_caption")
+        extra, weights = caption_pool(raw) if self.captions == "sample" else ([], None)
+        pick = draw_caption(len(extra) + 1, weights, seed, epoch, raw["__key__"]) if extra else 0
+        if pick:
+            caption = extra[pick - 1]
         emb = None
         if self.embeddings != "ignore":
-            if raw.get("__emb__") is not None:  # the sidecar's row (mmpretrain.data.sidecar)
+            rows = raw.get("__emb_extra__")
+            if pick and rows is not None and len(rows) == len(extra):  # the drawn extra caption's sidecar row
+                emb = torch.from_numpy(self._checked(rows[pick - 1]))
+            elif pick:  # embedded before this caption list (or a list of another length): no row for it
+                if self.embeddings == "require":
+                    raise SkipSample("missing_embedding")
+            elif raw.get("__emb__") is not None:  # the sidecar's row (mmpretrain.data.sidecar)
                 emb = torch.from_numpy(self._checked(raw["__emb__"]))
             elif IN_TAR in raw:  # an in-tar member (the earlier layout)
                 emb = torch.from_numpy(self._embedding(raw[IN_TAR]))

@@ -9,6 +9,11 @@ shards are read-only or remote) holds, per shard ``NAME.tar``::
       embeddings.json        {"model", "dim", "normalized", "dtype", "shards": {NAME.tar: {count, bytes, first_key}}}
       NAME.tar.emb.npy       float16 (count, dim), L2-normalised, rows in the shard's sample order
       NAME.tar.keys.txt      the shard's sample keys, one a line, the same order
+      NAME.tar.captions.npy  float16 (extra rows, dim): the extra captions' rows (``captions`` in {key}.json),
+      NAME.tar.caption_offsets.npy  int64 (count + 1,): sample i's extra rows are [offsets[i], offsets[i+1])
+
+The two extra-caption files exist for a shard whose record in ``embeddings.json`` (``version`` 2) has
+``extra`` > 0; a version-1 index (caption 0 only) reads as before.
 
 The training stream reads a shard's rows when it opens the shard. A sidecar that does not match the
 shard it is read with (rows, keys or count other than the shard's, a shard of another byte size or
@@ -40,6 +45,8 @@ INDEX = "embeddings.json"
 EMB_SUFFIX = ".emb.npy"
 KEYS_SUFFIX = ".keys.txt"
 SUFFIXES = (EMB_SUFFIX, KEYS_SUFFIX)  # one shard's sidecar files: NAME.tar + suffix
+EXTRA_SUFFIXES = (".captions.npy", ".caption_offsets.npy")  # and, with extra captions, these two
+VERSION = 2  # embeddings.json's version: 2 added the extra captions' rows
 LAYOUT = "sidecar"  # manifest.json's embedding.layout once `data_tools embed` wrote the sidecars
 IN_TAR = "emb.npy"  # the earlier layout's member suffix ({key}.emb.npy inside the shard)
 
@@ -96,10 +103,16 @@ def shard_bytes(url: str) -> int | None:
         return None
 
 
-def write_shard(emb_dir: Path, name: str, keys: list[str], embs: np.ndarray) -> None:
-    """One shard's sidecar files, each through a temporary file and a rename."""
-    for suffix, write in ((EMB_SUFFIX, lambda f: np.save(f, embs.astype(np.float16), allow_pickle=False)),
-                          (KEYS_SUFFIX, lambda f: f.write("".join(k + "\n" for k in keys).encode("utf-8")))):
+def write_shard(emb_dir: Path, name: str, keys: list[str], embs: np.ndarray,
+                extra: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    """One shard's sidecar files, each through a temporary file and a rename; ``extra``: the extra
+    captions' ``(rows, offsets)``."""
+    files = [(EMB_SUFFIX, lambda f: np.save(f, embs.astype(np.float16), allow_pickle=False)),
+             (KEYS_SUFFIX, lambda f: f.write("".join(k + "\n" for k in keys).encode("utf-8")))]
+    if extra is not None:
+        files += [(EXTRA_SUFFIXES[0], lambda f: np.save(f, extra[0].astype(np.float16), allow_pickle=False)),
+                  (EXTRA_SUFFIXES[1], lambda f: np.save(f, extra[1].astype(np.int64), allow_pickle=False))]
+    for suffix, write in files:
         final = emb_dir / (name + suffix)
         tmp = final.with_name(final.name + ".tmp")
         with open(tmp, "wb") as f:
@@ -121,6 +134,8 @@ class ShardEmbeddings:
         self.warned = set() if warned is None else warned  # the shards whose problem this process logged
         self.where = join(emb_dir, self.name + EMB_SUFFIX)
         self.rows: np.ndarray | None = None
+        self.extra_rows: np.ndarray | None = None  # the extra captions' rows and per-sample offsets
+        self.offsets: np.ndarray | None = None
         self.keys: list[str] = []
         self.reason: str | None = None
         try:
@@ -155,6 +170,29 @@ class ShardEmbeddings:
             self.reason = f"the shard has {nbytes} bytes, {record['bytes']} when it was embedded: it was rebuilt"
         else:
             self.rows, self.keys = rows, keys
+            if record.get("extra"):
+                self._load_extra(emb_dir, dim, int(record["extra"]), expected)
+
+    def _load_extra(self, emb_dir: str, dim: int, n_extra: int, expected: int) -> None:
+        arrays = []
+        for suffix in EXTRA_SUFFIXES:
+            with open_url(join(emb_dir, self.name + suffix)) as f:
+                arrays.append(np.load(io.BytesIO(f.read()), allow_pickle=False))
+        rows, offsets = arrays
+        if rows.ndim != 2 or rows.dtype.kind != "f" or rows.shape != (n_extra, dim):
+            self.reason = f"extra captions' rows of shape {rows.shape}, {INDEX} says ({n_extra}, {dim})"
+        elif (offsets.shape != (expected + 1,) or offsets.dtype.kind not in "iu" or offsets[0] != 0
+              or offsets[-1] != n_extra or bool((np.diff(offsets) < 0).any())):
+            self.reason = f"extra captions' offsets of shape {offsets.shape} do not index {n_extra} rows of {expected} samples"
+        else:
+            self.extra_rows, self.offsets = rows, offsets
+
+    def extra(self, pos: int) -> np.ndarray | None:
+        """The rows of the extra captions of the sample at ``pos`` (after :meth:`row` accepted its key), in
+        the order of its ``captions``; None without them."""
+        if self.rows is None or self.offsets is None:
+            return None
+        return self.extra_rows[self.offsets[pos]:self.offsets[pos + 1]]
 
     def row(self, pos: int, key: str) -> np.ndarray | None:
         """The embedding of the sample at ``pos`` in the shard, if the sidecar's key there is ``key``."""
@@ -275,3 +313,17 @@ def attach_embeddings(sources: list, spec: str | None) -> None:
                                         f"{source.spec} (it embeds others, e.g. {next(iter(index['shards']), '-')}): "
                                         "give the folder `data_tools embed` wrote for these shards")
             source.embeddings = SourceEmbeddings(emb_dir, index)
+
+
+def check_extra_rows(sources: list, model: str | None = None) -> None:
+    """A source whose manifest records extra captions (``extra_captions`` > 0) needs their rows: an
+    ``embeddings.json`` of version 2. Raises ValueError naming the two fixes."""
+    for s in sources:
+        if not s.manifest.get("extra_captions") or s.embeddings is None:
+            continue
+        if "extra_captions" not in s.embeddings.index:
+            raise ValueError(f"data.train source {s.spec}: its samples have {s.manifest['extra_captions']} extra "
+                             f"captions, but {join(s.embeddings.emb_dir, INDEX)} was written before embed stored "
+                             "their rows: embed again (`python -m data_tools embed "
+                             f"{s.spec} --model {model or 'MODEL'}`: only the missing rows' shards are redone), "
+                             "or train on caption 0 alone with data.captions=first")

@@ -147,7 +147,9 @@ class SegmentReader:
             self.next_in_seg += 1
             raw["__index__"] = self.offsets[seg.shard] + seg.start + want
             if self.embeddings is not None and self.embeddings[seg.shard] is not None:
-                raw["__emb__"] = self._sidecar(seg.shard).row(seg.start + want, raw["__key__"])
+                side = self._sidecar(seg.shard)
+                raw["__emb__"] = side.row(seg.start + want, raw["__key__"])
+                raw["__emb_extra__"] = side.extra(seg.start + want) if raw["__emb__"] is not None else None
             self._check_tail()
             return raw
         except StopIteration:

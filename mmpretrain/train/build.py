@@ -18,7 +18,7 @@ from mmpretrain.data import host_memory, urls
 from mmpretrain.data.decode import SampleDecoder, split_normalize
 from mmpretrain.data.manifest import provenance_record
 from mmpretrain.data.plan import StreamPlan
-from mmpretrain.data.sidecar import attach_embeddings, recorded, stored_dim
+from mmpretrain.data.sidecar import attach_embeddings, check_extra_rows, recorded, stored_dim
 from mmpretrain.data.sources import Source, resolve_sources
 from mmpretrain.data.stream import StreamPosition, TrainStream, make_loader
 from mmpretrain.eval import Evaluator, load_task_data
@@ -104,6 +104,8 @@ def embedding_dim(cfg: ExperimentConfig, sources: list[Source], target_from: str
         return None
     try:
         dim = stored_dim(sources, cfg.targets.model)
+        if cfg.data.captions == "sample":
+            check_extra_rows(sources, cfg.targets.model)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     text = getattr(model.module.clip, "text", None)
@@ -185,6 +187,7 @@ def build_loader(cfg: ExperimentConfig, data: Data, model: Model, objective: Wei
         transform,
         embeddings={"shards": "require", "online": "ignore", "none": "ignore"}[target_from],
         labels=objective.needs_labels, embedding_dim=embedding_dim, max_pixels=cfg.data.max_pixels,
+        captions=cfg.data.captions,
     )
     stream = TrainStream(data.plan, decoder, rank, start=position.state() if position is not None else None,
                          tokenizer=None if cfg.model.text_from_targets else factory.make_tokenizer(model.model_cfg))
