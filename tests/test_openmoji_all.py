@@ -123,6 +123,28 @@ def test_bed_layout_counts_and_credits(bed):
     assert all(test_keys[s["__key__"]] == s["txt"] for s in noto)  # the same captions, held-out emoji only
 
 
+def test_the_card_credits_the_evaluation_sets_manifests(bed, tmp_path):
+    """Evaluation on the Noto set records its manifest's licence and attribution; the export's card credits it
+    (once), beside the training data's credit."""
+    from mmpretrain.eval.datasets import load_dataset
+    from mmpretrain.export.card import model_card
+    from mmpretrain.run_files import RunFolder
+
+    noto = load_dataset(str(bed / "noto"))
+    assert noto.credit["license"] == "Apache-2.0" and "Noto" in noto.credit["attribution"]
+    assert load_dataset(str(bed)).credit["license"] == "CC BY-SA 4.0"  # the OpenMoji bed's own clip_benchmark root
+    run = tmp_path / "run"
+    run.mkdir()
+    train_credit = json.loads((bed / "train/manifest.json").read_text())
+    (run / "provenance.json").write_text(json.dumps({"data": [{"spec": "train", "license": "CC BY-SA 4.0",
+                                                               "attribution": train_credit["attribution"]}]}))
+    entry = {"task": "zeroshot_classification", "metrics": {"acc1": 0.5}, "data": noto.credit}
+    (run / "results.json").write_text(json.dumps({"results": [dict(entry, dataset="noto-test")] * 2}))
+    card = model_card(RunFolder(run), {"vision_cfg": {"image_size": 64}, "text_cfg": {}}, None)
+    assert card.count("Evaluation data (noto-test, Apache-2.0): ") == 1 and "Noto" in card
+    assert card.count(train_credit["attribution"]) == 1  # the training credit is not repeated as evaluation data
+
+
 def test_second_style_and_rebuild_refusals(bed, tmp_path):
     r = run_main("data_tools", "build", "demo:openmoji-all", "--out", str(tmp_path / "x"), "--second-style",
                  str(tmp_path / "nowhere"))

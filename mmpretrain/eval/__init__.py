@@ -70,11 +70,13 @@ def evaluate(model, preprocess, tokenizer, data: str | Path | TaskData, task: st
                       features=features)
     model.eval()
     res = TASKS[task].run(model, preprocess, tokenizer, data, ctx)
-    name = (data if isinstance(data, EvalDataset) else data[1]).name
+    ds = data if isinstance(data, EvalDataset) else data[1]
+    name = ds.name
     skipped = sum((Counter(c) for c in gather(dict(ctx.skipped), world_size)), Counter())
     if skipped and rank == 0:
         print(f"warning: {name} {task}: skipped {dict(skipped)} (left out of every metric)", file=sys.stderr)
-    return {"dataset": name, "task": task, "model": model_name, **res, **({"skipped": dict(skipped)} if skipped else {})}
+    return {"dataset": name, "task": task, "model": model_name, **res, **({"skipped": dict(skipped)} if skipped else {}),
+            **({"data": ds.credit} if ds.credit else {})}
 
 
 @dataclass

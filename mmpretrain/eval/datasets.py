@@ -62,6 +62,7 @@ class EvalDataset:
     layout: str  # "wds", "shards", "folder" (files: (path, label)) or "hf"
     files: list[tuple[Path, int]] | None = None
     hf: object = None  # (datasets.Dataset, image column, label column or None, caption column or None)
+    credit: dict | None = None  # the licence and attribution its manifest.json records (the card credits them)
 
     def __iter__(self) -> Iterator[EvalSample]:
         for _, s in self.indexed():
@@ -167,6 +168,15 @@ def _hf_dataset(spec: str, name: str | None) -> EvalDataset:
     return EvalDataset(name or default, [], classnames, None, "hf", hf=(ds, image_col, label_col, caption_col))
 
 
+def _credit(root: Path) -> dict | None:
+    try:
+        manifest = read_manifest(root)
+    except (OSError, ValueError):  # an unreadable manifest: no credit recorded, the data still evaluates
+        return None
+    credit = {k: manifest[k] for k in ("license", "attribution") if isinstance(manifest.get(k), str)}
+    return credit or None
+
+
 def _nshards(split: Path) -> int:
     text = (split / "nshards.txt").read_text(errors="replace").strip()
     if not text.isdigit() or int(text) < 1:
@@ -212,6 +222,7 @@ def _load_dataset(spec: str, name: str | None = None) -> EvalDataset:
             classnames=_read_lines(root / "classnames.txt") if (root / "classnames.txt").is_file() else None,
             templates=_read_lines(templates_file) if templates_file.is_file() else None,
             layout="wds",
+            credit=_credit(root),
         )
     if kind == "shards":
         manifest = read_manifest(root)
@@ -221,6 +232,7 @@ def _load_dataset(spec: str, name: str | None = None) -> EvalDataset:
             classnames=manifest.get("classnames"),
             templates=None,
             layout="shards",
+            credit=_credit(root),
         )
     raise FileNotFoundError(
         f"--dataset {spec}: neither clip_benchmark's wds layout (test/nshards.txt), a "

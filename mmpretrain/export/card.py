@@ -87,4 +87,11 @@ def model_card(files: RunFolder, model_cfg: dict, repo_id: str | None, fmt: str 
     for d in data:  # credit as the data's licence asks (e.g. OpenMoji, CC BY-SA 4.0)
         if d.get("attribution"):
             lines += [f"Training data: {d['attribution']}", ""]
+    seen = {d.get("attribution") for d in data}
+    for r in results.get("results") or []:  # evaluation sets credited as their manifests ask (e.g. Noto, Apache-2.0)
+        credit = r.get("data") or {}
+        if credit.get("attribution") and credit["attribution"] not in seen:
+            seen.add(credit["attribution"])
+            lines += [f"Evaluation data ({r['dataset']}, {credit.get('license', 'licence not recorded')}): "
+                      f"{credit['attribution']}", ""]
     return "\n".join(lines)
