@@ -1,7 +1,7 @@
 """What each objective buys, measured on held-out data with seeds: one command for the whole grid.
 
-    python scripts/reports/experiment.py VARIANT... --data demo:mnist|demo:openmoji|DIR [--seeds 0 1 2]
-                                 [--batch-sizes 64] [--steps 550] [--eval-every 110]
+    python scripts/reports/experiment.py VARIANT... --data demo:mnist|demo:openmoji|demo:openmoji-all|DIR [--seeds 0 1 2]
+                                 [--batch-sizes 64] [--steps 550] [--eval-every 110] [--input-size 32]
                                  [--out bench_results/experiments] [--work runs/experiments]
 
 Every (variant, seed, batch size) cell trains the same model -- the packaged 32 px ViT with a
@@ -36,6 +36,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
+NOTO = ROOT / ".cache/noto/emoji-datasource-google-16.0.0"  # `make noto`
 
 
 # The grid's model: the packaged 32 px ViT made small enough that a cell's STEPS fit ~60 s on 2 CPU
@@ -46,6 +47,11 @@ MODEL_OVERRIDES = {"embed_dim": 64, "vision_cfg": {"width": 96, "layers": 3, "he
 # Region weighting's warm-up: Hedge then has STEPS - REGION_WARMUP >= 500 weighted steps to move its weights
 REGION_WARMUP = 50
 STEPS = 550
+# The model reads 32 px (the packaged ViT's size); --input-size N reads N px with patches of N/4 px, the same
+# 16 tokens. demo:openmoji-all's shards are 64 px, but a 64-px input measured no better there (3 seeds:
+# linear probe 0.396 +- 0.035 vs 0.420 +- 0.024, image R@5 0.118 vs 0.118) at 2.1x the training time
+# (bench_results/experiments/input_64px/), so its grid reads 32 px too.
+INPUT_SIZE = 32
 
 
 def regions(space: str, steps: int) -> list[dict]:
@@ -76,7 +82,8 @@ VARIANTS = {
 __doc__ += ", ".join(VARIANTS) + "."
 # the final evaluation's metrics kept in the JSON (every one the tasks give is kept; these are tabled)
 TABLE = ("heldout/acc1", "heldout/lp_acc1", "heldout/knn_acc1", "heldout/ari", "heldout/ari_preproj",
-         "digits/acc1", "retrieval/image_retrieval_recall@5")
+         "digits/acc1", "retrieval/image_retrieval_recall@5", "cross_style/acc1",
+         "cross_style_retrieval/image_retrieval_recall@5")
 
 
 def run_cli(*args: str, log: Path) -> None:
@@ -96,14 +103,17 @@ def prepare_data(spec: str, work: Path) -> tuple[Path, str]:
             raise SystemExit(f"error: --data {folder}: no train/ and test/ (build one with data_tools build demo:...)")
         return folder, folder.name
     name = spec.split(":", 1)[1]
-    if name not in ("mnist", "openmoji"):
-        raise SystemExit(f"error: --data {spec}: use demo:mnist, demo:openmoji or a dataset folder")
+    if name not in ("mnist", "openmoji", "openmoji-all"):
+        raise SystemExit(f"error: --data {spec}: use demo:mnist, demo:openmoji, demo:openmoji-all or a dataset folder")
     folder = work / "data" / name
     if not (folder / "train" / "embeddings.json").is_file():
         folder.parent.mkdir(parents=True, exist_ok=True)
         log = work / "data" / f"{name}.log"
-        run_cli("data_tools", "build", spec, "--out", str(folder), "--image-size", "32", "--shard-size", "250",
-                "--overwrite", log=log)
+        # openmoji-all: shards at 64 px (skin tones and hair legible), its Noto style when `make noto` fetched it
+        size = "64" if name == "openmoji-all" else "32"
+        style = ["--second-style", str(NOTO)] if name == "openmoji-all" and NOTO.is_dir() else []
+        run_cli("data_tools", "build", spec, "--out", str(folder), "--image-size", size, "--shard-size", "250",
+                "--overwrite", *style, log=log)
         run_cli("data_tools", "embed", str(folder), "--model", MINILM, log=log)
     return folder, name
 
@@ -122,6 +132,11 @@ def cell_config(variant: str, seed: int, batch: int, args, data: Path, run: Path
     }
     for key, value in VARIANTS[variant](args.steps).items():
         cfg[key] = {**cfg[key], **value} if isinstance(value, dict) else value
+    size = getattr(args, "input_size", INPUT_SIZE)
+    if size != INPUT_SIZE:
+        overrides = cfg["model"]["overrides"]
+        cfg["model"]["overrides"] = {**overrides, "vision_cfg": {**overrides["vision_cfg"], "image_size": size,
+                                                                 "patch_size": size // 4}}
     return cfg
 
 
@@ -132,8 +147,11 @@ def final_eval(run: Path, data: Path, name: str, tasks: list[str]) -> dict[str, 
     jobs = [("heldout", str(data), t) for t in tasks]
     if (data / "digits").is_dir() and "zeroshot_classification" in tasks:
         jobs.append(("digits", str(data / "digits"), "zeroshot_classification"))
-    if (data / "test").is_dir() and name == "openmoji" and "zeroshot_retrieval" not in tasks:
+    if (data / "test").is_dir() and name.startswith("openmoji") and "zeroshot_retrieval" not in tasks:
         jobs.append(("retrieval", str(data / "test"), "zeroshot_retrieval"))
+    if (data / "noto").is_dir() and "zeroshot_classification" in tasks:  # the second drawing style
+        jobs += [("cross_style", str(data / "noto"), "zeroshot_classification"),
+                 ("cross_style_retrieval", str(data / "noto"), "zeroshot_retrieval")]
     out = run / "final_results.json"  # the run folder is new (train_cell): nothing to replace
     run_cli("mmpretrain.eval", "--model", str(run), "--dataset", *[j[1] for j in jobs], "--task", *[j[2] for j in jobs],
             "--num_workers", "1", "--output", str(out), log=run / "experiment.log")
@@ -256,6 +274,8 @@ def main() -> int:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[64])
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--eval-every", type=int, default=110)
+    p.add_argument("--input-size", type=int, default=INPUT_SIZE,
+                   help=f"the model's input in px (default {INPUT_SIZE}), patches of a quarter of it: the same 16 tokens")
     p.add_argument("--tasks", nargs="+", choices=HELDOUT_TASKS, default=list(HELDOUT_TASKS),
                    help="final held-out evaluations (default: all four)")
     p.add_argument("--out", default=str(ROOT / "bench_results/experiments"))
@@ -265,15 +285,19 @@ def main() -> int:
     if unknown:
         print(f"error: unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
         return 2
-    if args.steps < 1 or args.eval_every < 1 or min(args.batch_sizes) < 1:
-        print("error: --steps, --eval-every and --batch-sizes must be positive", file=sys.stderr)
+    if args.steps < 1 or args.eval_every < 1 or min(args.batch_sizes) < 1 or args.input_size < 4 or args.input_size % 4:
+        print("error: --steps, --eval-every and --batch-sizes must be positive, --input-size a multiple of 4",
+              file=sys.stderr)
         return 2
     work, out = Path(args.work), Path(args.out)
     data, name = prepare_data(args.data, work)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
     settings = {"data": args.data, "steps": args.steps, "eval_every": args.eval_every, "model": "mmpt-tiny-vit",
-                "model_overrides": MODEL_OVERRIDES, "region_warmup": REGION_WARMUP, "tasks": sorted(args.tasks)}
+                "model_overrides": MODEL_OVERRIDES,
+                "region_warmup": REGION_WARMUP, "tasks": sorted(args.tasks)}
+    if args.input_size != INPUT_SIZE:
+        settings["input"] = {"image_size": args.input_size, "patch_size": args.input_size // 4}
     results = json.loads(path.read_text()) if path.is_file() else {"settings": settings, "cells": {}}
     if results.get("settings") != settings:
         print(f"error: {path} holds a grid with other settings ({results.get('settings')}); pass another --out "
