@@ -88,6 +88,11 @@ class DataConfig(_Strict):
         "sample", description="sample: each epoch trains on one of a sample's captions ({key}.txt and the extra "
         "'captions' of its {key}.json), drawn by (seed, epoch, key), with the drawn caption's embedding row; first: "
         "{key}.txt only")
+    decode: Literal["worker", "device"] = Field(
+        "worker", description="worker: the loader workers decode, crop and resize every image; device: they draw "
+        "the crop box and pass the JPEG's bytes, which the training device decodes in batches (nvJPEG on CUDA), "
+        "crops and resizes, for GPUs the workers' cores cannot feed (docs/usage.md); needs the plain crop of "
+        "data.aug_cfg (scale alone); PNG, WebP and JPEGs nvJPEG cannot take stay with the workers")
     max_pixels: int = Field(64_000_000, gt=0, description="images with more pixels (after JPEG draft scaling) are "
                             "skipped as too_many_pixels before decoding, as data_tools build --max-pixels")
     remote: RemoteConfig = Field(default_factory=RemoteConfig, description="retries, backoff and timeout for "

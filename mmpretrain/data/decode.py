@@ -20,6 +20,7 @@ import torch
 from PIL import Image
 
 from mmpretrain.data.crop import ResizedCrop, fast_train_transform
+from mmpretrain.data.device_decode import device_jpeg
 from mmpretrain.data.sidecar import IN_TAR, read_row
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
@@ -135,8 +136,12 @@ class SampleDecoder:
     build's cap against decompression bombs)."""
 
     def __init__(self, transform, embeddings: str = "optional", draft_size: int | None = None, labels: bool = False,
-                 embedding_dim: int | None = None, max_pixels: int | None = 64_000_000, captions: str = "sample"):
+                 embedding_dim: int | None = None, max_pixels: int | None = 64_000_000, captions: str = "sample",
+                 device_decode: bool = False):
         self.transform = transform
+        # data.decode=device: a JPEG the device decoder takes leaves as its bytes + crop box (device_decode.py)
+        self.device_decode = device_decode and isinstance(transform, ResizedCrop)
+        self._blank = torch.zeros((*transform.size, 3), dtype=torch.uint8) if self.device_decode else None
         self.captions = captions  # "sample": one of caption 0 and the extra captions per epoch; "first": caption 0
         self.labels = labels
         self.embeddings = embeddings
@@ -175,6 +180,13 @@ class SampleDecoder:
             elif self.embeddings == "require":
                 raise SkipSample("missing_embedding")
         aug_seed = augmentation_seed(seed, epoch, raw["__key__"])
+        if self.device_decode and ext in ("jpg", "jpeg"):
+            size = device_jpeg(raw[ext])
+            # over the pixel cap at full size: the worker decodes it reduced (the cap counts drafted pixels)
+            if size is not None and not (self.max_pixels and size[0] * size[1] > self.max_pixels):
+                item = self._item(raw, caption, emb, self._blank)  # the pixels are filled in on the device
+                item.update(jpeg=raw[ext], box=self.transform.sampler(*size, random.Random(aug_seed)))
+                return item
         try:
             with warnings.catch_warnings():  # Pillow's bomb warning: max_pixels below is the cap that counts
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)

@@ -63,6 +63,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from mmpretrain.data import urls
 from mmpretrain.data.decode import SampleDecoder, SkipSample
+from mmpretrain.data.device_decode import jpeg_fields
 from mmpretrain.data.plan import Segment, StreamPlan
 from mmpretrain.data.tar import UNREADABLE, read_tar
 
@@ -175,7 +176,8 @@ def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
 def collate(items: list[dict[str, Any]], tokenizer=None) -> dict[str, Any]:
     """A batch: ``images (B, 3, H, W)``, ``texts``, ``keys``, ``sample_index (B,)`` (global, stable under
     resume, rank count and resampling), ``tokens (B, L)`` with a tokenizer, and ``target_embeddings
-    (B, E)`` / ``labels (B,)`` when every item has one."""
+    (B, E)`` / ``labels (B,)`` when every item has one; with ``data.decode=device`` the JPEG fields of
+    :func:`~mmpretrain.data.device_decode.jpeg_fields` (their image slots are zeros until decoded)."""
     batch: dict[str, Any] = {
         "images": _stack([it["image"] for it in items]),
         "texts": [it["text"] for it in items],
@@ -188,6 +190,7 @@ def collate(items: list[dict[str, Any]], tokenizer=None) -> dict[str, Any]:
         batch["target_embeddings"] = _stack([it["emb"] for it in items])
     if all("label" in it for it in items):
         batch["labels"] = torch.tensor([it["label"] for it in items], dtype=torch.long)
+    batch.update(jpeg_fields(items))  # data.decode=device: the JPEGs the trainer decodes
     return batch
 
 

@@ -15,7 +15,9 @@ from open_clip.transform import PreprocessCfg, image_transform_v2
 
 from mmpretrain.config import ConfigError, ExperimentConfig, flat_config, to_yaml
 from mmpretrain.data import host_memory, urls
+from mmpretrain.data.crop import ResizedCrop
 from mmpretrain.data.decode import SampleDecoder, split_normalize
+from mmpretrain.data.device_decode import DeviceDecoder
 from mmpretrain.data.manifest import provenance_record
 from mmpretrain.data.plan import StreamPlan
 from mmpretrain.data.sidecar import attach_embeddings, check_extra_rows, recorded, stored_dim
@@ -187,7 +189,7 @@ def build_loader(cfg: ExperimentConfig, data: Data, model: Model, objective: Wei
         transform,
         embeddings={"shards": "require", "online": "ignore", "none": "ignore"}[target_from],
         labels=objective.needs_labels, embedding_dim=embedding_dim, max_pixels=cfg.data.max_pixels,
-        captions=cfg.data.captions,
+        captions=cfg.data.captions, device_decode=cfg.data.decode == "device",
     )
     stream = TrainStream(data.plan, decoder, rank, start=position.state() if position is not None else None,
                          tokenizer=None if cfg.model.text_from_targets else factory.make_tokenizer(model.model_cfg))
@@ -282,6 +284,13 @@ def setup(cfg: ExperimentConfig) -> Run:
     state = TrainState(build_position(data.plan, saved, rank, world, ckpt))
     # the augmentation ends in uint8 in the loader; normalisation runs on the device (train_step)
     transform, normalize = train_transform(cfg, model)
+    device_decoder = None
+    if cfg.data.decode == "device":
+        if not isinstance(transform, ResizedCrop):
+            raise ConfigError(f"data.decode=device decodes and crops with open_clip's plain random resized crop; "
+                              f"data.aug_cfg={cfg.data.aug_cfg} runs torchvision's or timm's transform, which "
+                              "only the workers run: set data.decode=worker, or keep only scale in data.aug_cfg")
+        device_decoder = DeviceDecoder(transform, acc.device)
     loader = build_loader(cfg, data, model, objective, target_from, state.position if saved is not None else None, rank,
                           acc.device.type == "cuda", embedding_dim(cfg, data.sources, target_from, model), transform)
     configure_engine(cfg, acc, data.schedule)
@@ -308,7 +317,7 @@ def setup(cfg: ExperimentConfig) -> Run:
               tokenizer=factory.make_tokenizer(model.model_cfg), target_encoder=target_encoder,
               trim_text=factory.trims_text(model.module.clip), evaluator=evaluator,
               log=JsonlLog(files.log, records) if acc.is_main_process else None, input_dtype=input_dtype(acc),
-              normalize=normalize)
+              normalize=normalize, device_decoder=device_decoder)
     if cfg.train.log_with:
         hparams = {k: str(v) if isinstance(v, (list, dict)) else v
                    for k, v in flat_config(cfg.model_dump(mode="json")).items() if v is not None}

@@ -14,6 +14,7 @@ import torch
 from accelerate.utils import gather_object
 from tqdm import tqdm
 
+from mmpretrain.data.device_decode import Prefetcher
 from mmpretrain.hub import push_folder
 from mmpretrain.models.factory import trim_padding
 from mmpretrain.train.checkpoint import save_checkpoint
@@ -52,6 +53,8 @@ def train_step(run: Run, batch: dict[str, Any]) -> StepResult:
                min_lr_ratio=cfg.optim.min_lr_ratio)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
+    if run.device_decoder is not None and "jpeg_bytes" in batch:  # not decoded ahead (fit's Prefetcher does)
+        run.device_decoder(batch)
     images = batch["images"].to(acc.device, non_blocking=True)
     if run.normalize is not None:  # the loader's uint8 images, normalised here (a quarter of the bytes)
         images = run.normalize(images)
@@ -103,7 +106,8 @@ def fit(run: Run) -> dict[str, Any]:
     run.model.train()
     bar = tqdm(total=sched.total_steps, initial=st.step, disable=not (acc.is_main_process and cfg.train.progress),
                desc="train", unit="step")
-    it = iter(run.loader)
+    # data.decode=device: each batch's JPEGs decoded on the device (on CUDA, the next one on a side stream)
+    it = Prefetcher(run.loader, run.device_decoder) if run.device_decoder is not None else iter(run.loader)
     t0, last, last_step = time.time(), time.time(), st.step
     rec: dict[str, Any] = {}
     waited = 0.0  # seconds spent waiting for the loader since the last record (open_clip's data_time)

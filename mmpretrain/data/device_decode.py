@@ -1,0 +1,233 @@
+"""``data.decode=device``: JPEGs decoded, cropped and resized by the training device, not the loader workers.
+
+The workers still read the shards, draw each sample's crop box (the same :class:`~mmpretrain.data.crop.
+CropSampler` and seed as ``data.decode=worker``, so the boxes, in the original image's pixels, are the same
+and an exact resume holds), tokenize and attach the sidecar rows; a JPEG the device decoder takes
+(:func:`device_jpeg`: baseline or progressive Huffman, 8-bit, grey or YCbCr, a complete file) travels as
+its bytes and box instead of pixels. Any other image (PNG, WebP, CMYK, an Adobe RGB transform, arithmetic
+coding, a truncated file) is decoded by the worker as before, so a batch can mix both.
+
+On the device (:class:`DeviceDecoder`) the batch's JPEGs are decoded with torchvision's batched
+``decode_jpeg(..., device=...)`` in chunks of ``chunk`` images (full-size uint8: ~0.6 MB for 512 x 384),
+each box cropped and resized to the model input with the worker's kernel (bicubic, antialiased) and
+written into the batch's (B, H, W, 3) uint8 images, which ``DeviceNormalize`` then normalises. A chunk
+whose batched decode raises is decoded image by image; an image the device cannot decode is decoded on
+the host with the worker's code (counted ``device_decode_fallback``); one nothing can decode is an
+``undecodable_image`` skip whose slot repeats another sample of the batch (counted ``repeated_in_batch``):
+every rank keeps its batch size. On CUDA, :class:`Prefetcher` decodes the next batch on a side stream
+while the current step runs.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from PIL import Image
+
+from mmpretrain.data.crop import Box, ResizedCrop
+
+#: baseline and progressive Huffman frames: what nvJPEG (and torchvision's CPU decoder) take
+DEVICE_SOF = {0xC0, 0xC2}
+#: every other start-of-frame marker (extended, lossless, arithmetic, hierarchical)
+OTHER_SOF = {0xC1, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+#: the keys a batch carries for the device decoder (collate writes them, DeviceDecoder removes them)
+KEYS = ("jpeg_bytes", "jpeg_offsets", "jpeg_slots", "jpeg_boxes")
+
+
+def device_jpeg(data: bytes) -> tuple[int, int] | None:
+    """``(width, height)`` of a JPEG the device decoder takes, from its markers (no pixel decoded): a
+    baseline or progressive Huffman frame of 8-bit samples, 1 (grey) or 3 (YCbCr) components, no Adobe
+    APP14 marker declaring RGB or CMYK/YCCK, ending in EOI (a truncated file is left to the worker). None
+    for anything else."""
+    n = len(data)
+    if n < 4 or data[:2] != b"\xff\xd8" or data[-2:] != b"\xff\xd9":
+        return None
+    i, size, adobe_transform = 2, None, None
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # markers without a length
+            i += 2
+            continue
+        length = struct.unpack(">H", data[i + 2:i + 4])[0]
+        seg = data[i + 4:i + 2 + length]
+        if length < 2 or len(seg) != length - 2:
+            return None
+        if marker == 0xEE and seg[:5] == b"Adobe" and len(seg) >= 12:
+            adobe_transform = seg[11]
+        elif marker in OTHER_SOF:
+            return None
+        elif marker in DEVICE_SOF:
+            if len(seg) < 6 or seg[0] != 8:
+                return None
+            height, width, comps = struct.unpack(">HHB", seg[1:6])
+            if comps not in (1, 3) or not width or not height:
+                return None
+            size = (width, height, comps)
+        elif marker == 0xDA:  # start of scan: the headers are over
+            break
+        i += 2 + length
+    if size is None:
+        return None
+    width, height, comps = size
+    if adobe_transform is not None and comps == 3 and adobe_transform != 1:
+        return None  # Adobe's "no transform": the components are RGB, not YCbCr
+    return width, height
+
+
+def jpeg_fields(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The batch's device-decoded samples (items holding ``jpeg`` bytes and a ``box``): their bytes
+    concatenated into one uint8 tensor, the offsets (n + 1), slots in the batch and boxes (top, left,
+    height, width) in original pixels. Empty when every image was decoded by the worker."""
+    slots = [i for i, it in enumerate(items) if "jpeg" in it]
+    if not slots:
+        return {}
+    blobs = [items[i]["jpeg"] for i in slots]
+    offsets = [0]
+    for b in blobs:
+        offsets.append(offsets[-1] + len(b))
+    return {"jpeg_bytes": torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8),
+            "jpeg_offsets": torch.tensor(offsets, dtype=torch.long),
+            "jpeg_slots": torch.tensor(slots, dtype=torch.long),
+            "jpeg_boxes": torch.tensor([list(items[i]["box"]) for i in slots], dtype=torch.long)}
+
+
+# the per-sample fields a slot copies from another when its image cannot be decoded at all
+_ROW_FIELDS = ("tokens", "target_embeddings", "labels", "sample_index")
+_LIST_FIELDS = ("texts", "keys")
+
+
+class DeviceDecoder:
+    """Decodes a batch's JPEG fields on ``device`` into its ``images`` (moved to the device), in place."""
+
+    def __init__(self, crop: ResizedCrop, device: torch.device | str, chunk: int = 256):
+        from torchvision.transforms import InterpolationMode
+
+        self.crop, self.device, self.chunk = crop, torch.device(device), max(1, int(chunk))
+        self.interpolation = {Image.BICUBIC: InterpolationMode.BICUBIC, Image.BILINEAR: InterpolationMode.BILINEAR,
+                              Image.NEAREST: InterpolationMode.NEAREST_EXACT}.get(crop.interpolation,
+                                                                                 InterpolationMode.BICUBIC)
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+        images = batch["images"].to(self.device, non_blocking=True)
+        if "jpeg_bytes" not in batch:
+            batch["images"] = images
+            return batch
+        data, offsets = batch.pop("jpeg_bytes"), batch.pop("jpeg_offsets").tolist()
+        slots, boxes = batch.pop("jpeg_slots").tolist(), batch.pop("jpeg_boxes").tolist()
+        blobs = [data[offsets[k]:offsets[k + 1]] for k in range(len(slots))]
+        skipped = batch.setdefault("skipped", {})
+        bad: list[int] = []
+        for c in range(0, len(slots), self.chunk):
+            part = range(c, min(c + self.chunk, len(slots)))
+            for k, img in zip(part, self._decode([blobs[k] for k in part], skipped)):
+                out = self._resize(img, boxes[k]) if img is not None else self._host(blobs[k], boxes[k])
+                if out is None:
+                    bad.append(slots[k])
+                    continue
+                if img is None:
+                    skipped["device_decode_fallback"] = skipped.get("device_decode_fallback", 0) + 1
+                images[slots[k]] = out
+        batch["images"] = images
+        if bad:
+            _fill(batch, bad, skipped)
+        return batch
+
+    def _decode(self, blobs: list[torch.Tensor], skipped: dict) -> list[torch.Tensor | None]:
+        """(3, h, w) uint8 on the device per blob; None where the device decoder refuses it."""
+        import torchvision.io as tio
+
+        with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders for TorchCodec's (docs/usage.md)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            try:
+                return list(tio.decode_jpeg(blobs, mode=tio.ImageReadMode.RGB, device=self.device))
+            except RuntimeError:
+                out = []
+                for b in blobs:  # the batch raised: one by one, to find the culprit(s)
+                    try:
+                        out.append(tio.decode_jpeg(b, mode=tio.ImageReadMode.RGB, device=self.device))
+                    except RuntimeError:
+                        out.append(None)
+                return out
+
+    def _resize(self, img: torch.Tensor, box: list[int]) -> torch.Tensor:
+        from torchvision.transforms.v2 import functional as F
+
+        top, left, h, w = box
+        if img.shape[-2] < top + h or img.shape[-1] < left + w:  # decoded smaller than its header said
+            return None
+        out = F.resized_crop(img, top, left, h, w, list(self.crop.size), interpolation=self.interpolation,
+                             antialias=True)
+        return out.permute(1, 2, 0)
+
+    def _host(self, blob: torch.Tensor, box: list[int]) -> torch.Tensor | None:
+        """The worker path's decode of one image the device could not decode; None if it cannot either."""
+        try:
+            img = Image.open(io.BytesIO(blob.numpy().tobytes()))
+            return self.crop.apply(img, Box(*box)).to(self.device)
+        except Exception:
+            return None
+
+
+def _fill(batch: dict[str, Any], bad: list[int], skipped: dict) -> None:
+    """Each slot in ``bad`` (no decodable image) repeats the batch's first good sample, every field."""
+    B = batch["images"].shape[0]
+    good = next((i for i in range(B) if i not in set(bad)), None)
+    if good is None:
+        raise RuntimeError("no image of the batch could be decoded on the device or the host")
+    for i in bad:
+        batch["images"][i] = batch["images"][good]
+        for k in _ROW_FIELDS:
+            if isinstance(batch.get(k), torch.Tensor):
+                batch[k][i] = batch[k][good]
+        for k in _LIST_FIELDS:
+            if k in batch:
+                batch[k][i] = batch[k][good]
+    skipped["undecodable_image"] = skipped.get("undecodable_image", 0) + len(bad)
+    skipped["repeated_in_batch"] = skipped.get("repeated_in_batch", 0) + len(bad)
+
+
+class Prefetcher:
+    """Batches of ``loader`` decoded by ``decoder``; on CUDA the next batch is decoded on a side stream
+    while the current step runs (the step's stream waits for that batch's event only)."""
+
+    def __init__(self, loader, decoder: DeviceDecoder):
+        self.it: Iterator = iter(loader)
+        self.decoder = decoder
+        self.cuda = decoder.device.type == "cuda"
+        self.stream = torch.cuda.Stream(decoder.device) if self.cuda else None
+        self.pending = None
+
+    def _launch(self):
+        batch = next(self.it)
+        if not self.cuda:
+            return batch, None
+        with torch.cuda.stream(self.stream):
+            batch = self.decoder(batch)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return batch, event
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if not self.cuda:
+            return self.decoder(next(self.it))
+        if self.pending is None:
+            self.pending = self._launch()
+        batch, event = self.pending
+        self.pending = self._launch()  # queued on the side stream behind this batch's decode
+        main = torch.cuda.current_stream(self.decoder.device)
+        main.wait_event(event)
+        batch["images"].record_stream(main)  # allocated on the side stream, used on the main one
+        return batch
