@@ -50,3 +50,21 @@ def make_jpegs(n: int, seed: int = 0, short_side: tuple[int, int] = (256, 512)) 
         img.save(buf, "JPEG", quality=90)
         out.append((f"a photo of {name.replace('_', ' ')}, view {i}", buf.getvalue()))
     return out
+
+
+def write_shards(samples: list[tuple[str, bytes]], folder: Path, per_shard: int = 100) -> None:
+    """``(caption, jpg)`` samples as WebDataset shards of ``per_shard`` with a ``sizes.json``, in a new
+    ``folder`` (webdataset's writer)."""
+    import json
+
+    import webdataset as wds
+
+    folder.mkdir(parents=True)
+    sizes = {}
+    for s in range(0, len(samples), per_shard):
+        name = f"photo-{s // per_shard:06d}.tar"
+        with wds.TarWriter(str(folder / name)) as w:
+            for i, (caption, jpg) in enumerate(samples[s:s + per_shard], s):
+                w.write({"__key__": f"{i:08d}", "jpg": jpg, "txt": caption})
+        sizes[name] = len(samples[s:s + per_shard])
+    (folder / "sizes.json").write_text(json.dumps(sizes))

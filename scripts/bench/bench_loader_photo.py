@@ -1,5 +1,5 @@
 """Training-loader images/s on photo-like data at the resolution users train at: ours against
-open_clip_train's ``get_wds_dataset`` and the decode limit, A B C A B C in one run, plus a per-stage
+open_clip_train's ``get_wds_dataset`` and the decode limit, A B C D A B C D in one run, plus a per-stage
 profile of our per-sample work.
 
     python scripts/bench/bench_loader_photo.py [--images 1200] [--image-size 224] [--batch-size 128]
@@ -15,15 +15,18 @@ img2dataset writes web images; WebDataset shards of 100 with sizes.json, in a te
 - open_clip: get_wds_dataset with the same transform (float, normalised in the worker) and tokenizer.
 - decode limit: Pillow open + convert + open_clip's crop and resize to a uint8 tensor (no normalise),
   from bytes in memory, in --workers processes at once (sharing the cores as the loaders do).
+- ours, data.decode=device with the device set to this CPU: the workers read and draw the crop box, the
+  benchmark's process decodes each batch (torchvision decode_jpeg at full size), crops and resizes, as
+  the trainer does (mmpretrain.data.device_decode). A GPU's figure comes from scripts/bench/bench_gpu.sh.
 Timing covers --epochs passes, worker start included. Writes bench_results/loader_photo.json
-(ratio = ours / open_clip) and bench_results/loader_photo_limit.json (ours / the decode limit).
+(ratio = ours / open_clip), bench_results/loader_photo_limit.json (ours / the decode limit) and
+bench_results/loader_photo_device_cpu.json (decode=device on the CPU / decode=worker).
 """
 
 from __future__ import annotations
 
 import argparse
 import io
-import json
 import multiprocessing as mp
 import os
 import sys
@@ -33,24 +36,9 @@ from pathlib import Path
 
 from PIL import Image
 
-from mmpretrain.testing.photos import make_jpegs  # noqa: E402
+from mmpretrain.testing.photos import make_jpegs, write_shards  # noqa: E402
 
 from benchlib import open_clip_rate, report_ratio, stream_rate, table  # noqa: E402
-
-
-def write_shards(samples: list[tuple[str, bytes]], folder: Path, per_shard: int = 100) -> None:
-    import webdataset as wds
-
-    folder.mkdir(parents=True)
-    sizes = {}
-    for s in range(0, len(samples), per_shard):
-        name = f"photo-{s // per_shard:06d}.tar"
-        with wds.TarWriter(str(folder / name)) as w:
-            for i, (caption, jpg) in enumerate(samples[s:s + per_shard], s):
-                w.write({"__key__": f"{i:08d}", "jpg": jpg, "txt": caption})
-        sizes[name] = len(samples[s:s + per_shard])
-    (folder / "sizes.json").write_text(json.dumps(sizes))
-
 
 _LIMIT: dict = {}
 
@@ -78,6 +66,7 @@ def profile(samples: list[tuple[str, bytes]], folder: Path, size: int, batch: in
     comparison, torchvision's per-sample path (full decode + convert, then open_clip's RandomResizedCrop
     and PILToTensor)."""
     import open_clip
+    import torch
     from open_clip.transform import PreprocessCfg, image_transform_v2
 
     from mmpretrain.data.decode import augmentation_seed, split_normalize
@@ -117,6 +106,18 @@ def profile(samples: list[tuple[str, bytes]], folder: Path, size: int, batch: in
         tv(im)
         tv_decode, tv_crop = tv_decode + t1 - t0, tv_crop + time.perf_counter() - t1
         del im
+    # the device path's work with the device set to this CPU: the full-size decode, then the box resized
+    from mmpretrain.data.device_decode import DeviceDecoder
+
+    dev = DeviceDecoder(fast, "cpu")
+    blobs = [torch.frombuffer(bytearray(s["jpg"]), dtype=torch.uint8) for s in raw]
+    t0 = time.perf_counter()
+    decoded = [d for i in range(0, n, batch) for d in dev._decode(blobs[i:i + batch], {})]
+    t1 = time.perf_counter()
+    for d, s in zip(decoded, raw):
+        dev._resize(d, list(fast.box(Image.open(io.BytesIO(s["jpg"])), augmentation_seed(0, 0, s["__key__"]))))
+    dev_decode, dev_crop = t1 - t0, time.perf_counter() - t1
+    del decoded
     reduced /= n
     caps = [s["txt"].decode() for s in raw]
     t0 = time.perf_counter()
@@ -143,7 +144,9 @@ def profile(samples: list[tuple[str, bytes]], folder: Path, size: int, batch: in
         "read": read / n, "crop box from the header": sample / n, "decode (reduced where the box allows)": decode / n,
         "crop + resize": crop / n, "tokenize": tokenize / n, "collate": coll / n,
         "hand-over (incl. worker start)": hand, "torchvision path: decode + convert": tv_decode / n,
-        "torchvision path: RandomResizedCrop + PILToTensor": tv_crop / n}.items()}
+        "torchvision path: RandomResizedCrop + PILToTensor": tv_crop / n,
+        "device path on the CPU: decode_jpeg (full size)": dev_decode / n,
+        "device path on the CPU: header box + resized_crop (antialiased)": dev_crop / n}.items()}
     out["share of JPEGs decoded reduced"] = round(reduced, 3)
     return out
 
@@ -180,6 +183,9 @@ def main() -> int:
         def ours() -> float:
             return stream_rate(sources, full, tokenizer, args.batch_size, args.workers, args.epochs)
 
+        def device() -> float:  # data.decode=device with the device set to this CPU
+            return stream_rate(sources, full, tokenizer, args.batch_size, args.workers, args.epochs, "device", "cpu")
+
         def limit() -> float:
             W = max(1, args.workers)
             chunks = [jpgs[i::W] for i in range(W)] * args.epochs
@@ -188,16 +194,18 @@ def main() -> int:
                 seen = sum(pool.map(_limit_work, chunks, chunksize=1))
             return seen / (time.perf_counter() - t0)
 
-        ref_runs, our_runs, lim_runs = [], [], []
+        ref_runs, our_runs, lim_runs, dev_runs = [], [], [], []
         for _ in range(args.repeats):
             ref_runs.append(theirs())
             our_runs.append(ours())
             lim_runs.append(limit())
+            dev_runs.append(device())
         stages = profile(samples, data, args.image_size, args.batch_size)
     of_limit = [o / m for o, m in zip(our_runs, lim_runs)]
-    print(table([(i, f"{r:.0f}", f"{o:.0f}", f"{m:.0f}", f"{o / m:.2f}", f"{r / m:.2f}")
-                 for i, (r, o, m) in enumerate(zip(ref_runs, our_runs, lim_runs))],
-                ("run", "open_clip img/s", "ours img/s", "decode limit img/s", "ours / limit", "open_clip / limit")))
+    print(table([(i, f"{r:.0f}", f"{o:.0f}", f"{d:.0f}", f"{m:.0f}", f"{o / m:.2f}", f"{r / m:.2f}")
+                 for i, (r, o, d, m) in enumerate(zip(ref_runs, our_runs, dev_runs, lim_runs))],
+                ("run", "open_clip img/s", "ours img/s", "ours decode=device (CPU) img/s", "decode limit img/s",
+                 "ours / limit", "open_clip / limit")))
     print(table(list(stages.items()), ("stage (ours, one process)", "ms per sample")))
     report_ratio("loader_photo", ref_runs, our_runs, ("open_clip get_wds_dataset img/s", "mmpretrain stream img/s"),
                  1.5, {"samples": n, "image_size": args.image_size, "batch_size": args.batch_size,
@@ -208,6 +216,11 @@ def main() -> int:
                  {"samples": n, "image_size": args.image_size, "workers": args.workers,
                   "decode_limit_images_per_s": lim_runs, "ours_images_per_s": our_runs,
                   "note": "the same run as loader_photo.json"})
+    report_ratio("loader_photo_device_cpu", our_runs, dev_runs, ("data.decode=worker img/s", "data.decode=device img/s"),
+                 None, {"samples": n, "image_size": args.image_size, "workers": args.workers, "device": "cpu",
+                       "worker_images_per_s": our_runs, "device_images_per_s": dev_runs,
+                       "note": "the same run as loader_photo.json; the device path is for GPUs (nvJPEG): on a CPU "
+                               "the training process decodes at full size what the workers decoded reduced"})
     return 0
 
 

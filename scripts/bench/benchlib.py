@@ -147,22 +147,33 @@ def open_clip_rate(pattern: str, transform, tokenizer, batch_size: int, workers:
     return seen / dt
 
 
-def stream_rate(sources, transform, tokenizer, batch_size: int, workers: int, epochs: int) -> float:
+def stream_rate(sources, transform, tokenizer, batch_size: int, workers: int, epochs: int, decode: str = "worker",
+                device: str = "cpu") -> float:
     """Images/s of our training stream (epoch mode, one rank) over ``epochs`` passes (worker start included),
     with open_clip's training ``transform`` split as the trainer splits it (the fast crop path, uint8 out,
-    normalised on the device)."""
+    normalised on the device). ``decode="device"``: data.decode=device, each batch's JPEGs decoded,
+    cropped and resized on ``device`` in this process as the trainer does (the next batch's on a side
+    stream on CUDA), synchronised before the clock stops."""
+    import torch
+
     from mmpretrain.data.decode import SampleDecoder, split_normalize
+    from mmpretrain.data.device_decode import DeviceDecoder, Prefetcher
     from mmpretrain.data.plan import StreamPlan
     from mmpretrain.data.stream import TrainStream, make_loader
 
     n = sum(s.num_samples for s in sources)
     plan = StreamPlan(sources, "epoch", 0, 1, max(1, workers), batch_size, n, 1000)
-    decoder = SampleDecoder(split_normalize(transform, fast=True)[0], embeddings="ignore")
+    crop = split_normalize(transform, fast=True)[0]
+    decoder = SampleDecoder(crop, embeddings="ignore", device_decode=decode == "device")
     t0 = time.perf_counter()
     it = iter(make_loader(TrainStream(plan, decoder, 0, tokenizer=tokenizer), workers))
+    if decode == "device":
+        it = Prefetcher(it, DeviceDecoder(crop, device))
     seen = 0
     for _ in range(plan.steps_per_epoch * epochs):
         seen += next(it)["images"].shape[0]
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     del it
     return seen / dt

@@ -27,13 +27,15 @@ WHAT = {
     "loader_photo": "training-stream images/s / open_clip_train `get_wds_dataset` (photo JPEGs 256-512 px, 224 px input)",
     "loader_photo_limit": "training-stream images/s / the decode limit (Pillow decode + open_clip's crop to uint8, "
                           "as many processes as workers; the loader_photo run)",
+    "loader_photo_device_cpu": "`data.decode=device` with the device set to this CPU / `data.decode=worker`, "
+                               "images/s (the loader_photo run; the device path is for GPUs: nvJPEG)",
     "loss": "clip tiled / open_clip `ClipLoss`, loss-internal peak memory at B = 16,384",
     "regions": "training step, region-weighted CLIP [5, 10, 20] / plain CLIP (tiny config, k-means every 20 steps)",
     "eval": "zero-shot images/s, `mmpretrain.eval` / clip_benchmark (5,000 MNIST digits)",
     "embed": "`data_tools embed` (sidecars) / raw `SentenceTransformer.encode`, sentences/s, 20,000 captions",
     "train_global_clip": "training step, `global_clip` (FastCLIP-v3) / plain CLIP, seconds per step (tiny config)",
 }
-ORDER = ["train", "train_global_clip", "loader", "loader_photo", "loader_photo_limit", "loss", "regions", "eval", "embed"]
+ORDER = ["train", "train_global_clip", "loader", "loader_photo", "loader_photo_limit", "loader_photo_device_cpu", "loss", "regions", "eval", "embed"]
 
 
 def fmt(x: float) -> str:
@@ -50,7 +52,7 @@ def rows() -> list[str]:
         lo, hi = d["spread"]
         better = "higher is better" if d["higher_is_better"] else "lower is better"
         measured = f"**{fmt(d['ratio'])}×** ({fmt(lo)}–{fmt(hi)}, {len(d['runs'])} run{'s' * (len(d['runs']) > 1)})"
-        target = f"{'≥' if d['higher_is_better'] else '≤'} {fmt(d['target'])}× ({better})"
+        target = "–" if d["target"] is None else f"{'≥' if d['higher_is_better'] else '≤'} {fmt(d['target'])}× ({better})"
         out.append(f"| {name}: {WHAT.get(name, name)} | {measured} | {target} | `{d['command']}` |")
         extra = d.get("extra", {})
         if name == "loss":
