@@ -34,11 +34,16 @@ def bench(tmp_path: Path, openmoji: Path, *extra: str, env: dict | None = None) 
 @pytest.mark.slow  # ~65 s; the sections' pieces are tested on their own (test_precision, test_regions, test_engines)
 def test_gpu_bench_cpu_path_runs_every_section(openmoji, tmp_path):
     res = bench(tmp_path, openmoji)
+    versions = json.loads((tmp_path / "out/gpu.json").read_text())["versions"]
+    assert versions["torch"]["from"] == "machine" and versions["open_clip_torch"]["version"]
     step = res["step"]
     assert set(step["samples_per_s"]) == {"open_clip_train", "ours"} and len(step["blocks"]) == 2
     # ours trims the text padding the open_clip step runs: fewer FLOPs on the same batch
     assert 0 < step["flops_per_step"]["ours"] < step["flops_per_step"]["open_clip_train"]
     assert step["text_length_used"] <= step["tokens_ours"] < step["tokens_open_clip"] == 32
+    e2e = step["end_to_end"]  # whole steps from photo shards made by the script: both decode paths, and open_clip's
+    assert set(e2e["samples_per_s"]) == {"ours_decode_worker", "ours_decode_device", "open_clip_train"}
+    assert all(v > 0 for v in e2e["samples_per_s"].values()) and e2e["images"] >= 64
     mem = res["loss_memory"]
     assert mem["loss_rel_diff"] < 1e-5 and mem["ours_tiled"]["grad_norm"] == pytest.approx(mem["open_clip"]["grad_norm"], rel=1e-5)
     assert len(res["precision"]["cases"]) == 16 and res["precision"]["max_grad_rel"] < 0.03

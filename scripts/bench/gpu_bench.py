@@ -1,13 +1,16 @@
-"""The GPU check (run by scripts/bench/bench_gpu.sh on a lent GPU machine; its CPU path runs in `make test`).
+"""The GPU check (run by scripts/bench/bench_gpu.sh on a lent GPU machine; its CPU path runs in `make test-slow`).
 
-    python scripts/bench/gpu_bench.py --data DATASET_DIR --out DIR [--sections step loss_memory precision kmeans engines]
-                                [--model ViT-B-16] [--batch-size 256] [--steps 20] [--repeats 3]
+    python scripts/bench/gpu_bench.py --data DATASET_DIR --out DIR [--sections step loss_memory precision engines kmeans]
+                                [--model ViT-B-32] [--batch-size 256] [--steps 20] [--repeats 3]
+                                [--e2e-steps 20] [--e2e-images 4096] [--e2e-workers N] [--budget 240]
                                 [--loss-batch 65536] [--device cuda] [--precision bf16] [--peak-tflops N]
                                 [--engines ddp fsdp deepspeed] [--engine-wrapper SCRIPT]
 
 DATASET_DIR is a built and embedded dataset folder (``train/``, ``test/``; ``make gpu-bundle`` builds one
-small enough to carry). Sections, each written into DIR/gpu.json as soon as it finishes (so a run cut
-short keeps what it measured):
+small enough to carry). gpu.json in DIR starts with the versions that run (the machine's own or the
+bundle's) and gains each section as soon as it finishes, so a run cut short keeps what it measured.
+Sections run in this order (by value: what only a GPU can show first); one whose estimate (ESTIMATE_S,
+one H200) would end past --budget seconds is skipped and says so:
 
   step         our real ``train_step`` -- the project's own ``setup`` (loader, uint8 batch normalised on
                the device, text trimmed on the host, fused AdamW, clamp) -- against open_clip_train's
@@ -15,21 +18,25 @@ short keeps what it measured):
                the host, full-length tokens) on the same batch; samples/s and model-FLOP utilisation:
                FLOPs of one step counted by torch.utils.flop_counter (each side its own: ours runs the
                trimmed text) x steps/s / the device's dense bf16 peak (from its name, or --peak-tflops).
-               Blocks alternate (ABBA) and the median of --repeats is reported.
+               Blocks alternate (ABBA) and the median of --repeats is reported. Then end to end
+               (gpu_end_to_end.py): whole steps from --e2e-images photo JPEGs made on the machine (224 px),
+               ours with data.decode=worker and data.decode=device against open_clip_train's loader + step.
   loss_memory  peak CUDA memory above the inputs of one forward + backward of the tiled clip objective
                and of open_clip's ClipLoss at B = --loss-batch (D = 512).
   precision    every objective (tiled and not) under autocast in bf16 against fp32 on the device: relative
                error of value and feature gradient (mmpretrain/testing/precision.py, the CPU test's cases).
+  engines      ``accelerate launch`` with configs/accelerate/{1gpu,fsdp,deepspeed-zero2}.yaml, 1 process:
+               train 6 steps (checkpoints at 3 and 6) and resume to 8 with each; ``mmpretrain.export`` of
+               the FSDP and DeepSpeed runs, ``mmpretrain.eval`` of the FSDP run (STAGES: 9 cold launches);
+               torch AdamW throughout (DeepSpeed wraps it in its ZeRO-2 optimizer). --engine-wrapper runs
+               the FSDP/DeepSpeed launches through a script (the CPU test passes
+               tests/scripts/gpu_engine_on_cpu.py, since accelerate refuses those engines without a GPU).
   kmeans       region weighting's k-means (mmpretrain.losses.clusters.kmeans: scikit-learn on the host)
                against a deterministic torch Lloyd on the device, 16,384 x 1,024 at 5, 10 and 20 centroids,
                warm-started as every refresh after the first is and cold: seconds and inertia.
-  engines      ``accelerate launch`` with configs/accelerate/{1gpu,fsdp,deepspeed-zero2}.yaml, 1 process:
-               train 6 steps (checkpoints at 3 and 6), resume to 8, ``mmpretrain.eval`` on the test split,
-               ``mmpretrain.export``; torch AdamW throughout (DeepSpeed wraps it in its ZeRO-2 optimizer).
-               --engine-wrapper runs the FSDP/DeepSpeed launches through a script (the CPU test passes
-               tests/scripts/gpu_engine_on_cpu.py, since accelerate refuses those engines without a GPU).
 
-``--device cpu`` with the tiny model runs every section's code (tests/test_gpu_bench.py).
+``--device cpu`` with the tiny model runs every section's code (tests/test_gpu_bench.py). The code paths
+use only APIs present in both the device image's torch 2.11 / torchvision 0.26 and this project's pins.
 """
 
 from __future__ import annotations
@@ -46,11 +53,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the device machine runs the checkout: mmpretrain is not pip-installed there
+sys.path.insert(0, str(ROOT / "scripts/bench"))  # gpu_end_to_end
 
 # dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device name; --peak-tflops overrides
 PEAKS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0,
          "L4": 121.0, "A6000": 155.0, "4090": 165.0, "V100": 125.0}
 ENGINES = {"ddp": "1gpu", "fsdp": "fsdp", "deepspeed": "deepspeed-zero2"}
+# the stages each engine's smoke runs: every cold launch costs its imports, so evaluation (which reads
+# any engine's consolidated checkpoint the same way) runs once, on the FSDP run
+STAGES = {"ddp": ("train", "resume"), "fsdp": ("train", "resume", "eval", "export"),
+          "deepspeed": ("train", "resume", "export")}
 
 
 def sync(device) -> None:
@@ -344,6 +356,7 @@ def engine_smoke(engine: str, args, data: Path, work: Path) -> dict:
                         str(data / "test"), "--task", "zeroshot_classification", "--output",
                         str(run_dir / "results.json"), "--num_workers", "1"]),
               ("export", [sys.executable, "-m", "mmpretrain.export", str(run_dir), "--out", str(run_dir / "export")])]
+    stages = [(stage, cmd) for stage, cmd in stages if stage in STAGES[engine]]
     for stage, cmd in stages:
         rc, dt, tail = run_cmd(cmd, args.stage_timeout)
         res[stage] = {"rc": rc, "seconds": round(dt, 1)}
@@ -388,7 +401,37 @@ def engines_section(args, data: Path) -> dict:
 
 # ------------------------------------------------------------------------------------------------- main
 
-SECTIONS = ("step", "loss_memory", "precision", "kmeans", "engines")
+SECTIONS = ("step", "loss_memory", "precision", "engines", "kmeans")  # by value: what only a GPU can show first
+# seconds each section is expected to take on one H200 at the defaults (the run's own budget check;
+# gpu.json records what each took, to correct these)
+ESTIMATE_S = {"step": 100, "loss_memory": 10, "precision": 15, "engines": 90, "kmeans": 25}
+VERSIONED = ("torch", "torchvision", "transformers", "accelerate", "open_clip_torch", "webdataset", "pydantic",
+             "deepspeed", "timm", "scikit-learn", "scikit-image", "typing_extensions", "numpy")
+
+
+def versions() -> dict:
+    """What ran: each package's version and whether it is the machine's own or the bundle's
+    (bench_gpu.sh installs only what the machine lacks, into MMPT_SITE)."""
+    import importlib.metadata as m
+
+    site = os.environ.get("MMPT_SITE", "/tmp/mmpt-site")
+    out = {}
+    for name in VERSIONED:
+        try:
+            dist = m.distribution(name)
+        except m.PackageNotFoundError:
+            out[name] = None
+            continue
+        where = str(dist.locate_file(""))
+        out[name] = {"version": dist.version, "from": "bundle" if where.startswith(site) else "machine"}
+    return out
+
+
+def save(result: dict, path: Path) -> None:
+    """gpu.json, replaced whole (a run cut short keeps the sections it finished)."""
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def main() -> int:
@@ -396,10 +439,15 @@ def main() -> int:
     p.add_argument("--data", required=True, help="a built, embedded dataset folder (train/, test/)")
     p.add_argument("--out", default=str(ROOT / "bench_results"))
     p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    p.add_argument("--model", default="ViT-B-16")
+    p.add_argument("--model", default="ViT-B-32")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--steps", type=int, default=20, help="steps per timed block")
     p.add_argument("--repeats", type=int, default=3, help="timed blocks per side")
+    p.add_argument("--e2e-steps", type=int, default=20, help="timed end-to-end steps per side (0: none)")
+    p.add_argument("--e2e-images", type=int, default=4096, help="photo JPEGs made for the end-to-end steps")
+    p.add_argument("--e2e-workers", type=int, default=0, help="loader workers (0: cores - 2, at most 8)")
+    p.add_argument("--budget", type=float, default=240.0,
+                   help="seconds: a section whose estimate would end past it is skipped (and says so)")
     p.add_argument("--loss-batch", type=int, default=65536)
     p.add_argument("--precision-batch", type=int, default=4096)
     p.add_argument("--kmeans-rows", type=int, default=16384)
@@ -431,14 +479,32 @@ def main() -> int:
         return 2
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    "torch": torch.__version__, "command": " ".join(sys.argv), "sections": {}}
+                    "torch": torch.__version__, "versions": versions(), "command": " ".join(sys.argv),
+                    "estimate_s": {k: ESTIMATE_S[k] for k in args.sections}, "sections": {}}
+    print("versions: " + ", ".join(f"{k} {v['version']} ({v['from']})" for k, v in result["versions"].items() if v),
+          flush=True)
+    print(f"sections {' '.join(args.sections)}: estimated {sum(result['estimate_s'].values())} s on one H200 "
+          f"(budget {args.budget:.0f} s)", flush=True)
     path = out / "gpu.json"
+    save(result, path)  # the versions, before any section can fail
     failed = []
-    for section in args.sections:
+    start = time.perf_counter()
+    order = sorted(args.sections, key=SECTIONS.index)
+    for section in order:
         t0 = time.perf_counter()
+        if device.type == "cuda" and t0 - start + ESTIMATE_S[section] > args.budget:
+            result["sections"][section] = {"skipped": f"estimated {ESTIMATE_S[section]} s would end past the "
+                                                      f"{args.budget:.0f} s budget at {t0 - start:.0f} s"}
+            print(f"{section}: skipped ({result['sections'][section]['skipped']})", flush=True)
+            save(result, path)
+            continue
         try:
             if section == "step":
                 res = step_section(args, device, data)
+                if args.e2e_steps:  # after the fixed-batch models are freed
+                    from gpu_end_to_end import end_to_end
+
+                    res["end_to_end"] = end_to_end(args, device, res["flops_per_step"]["ours"], res["peak_tflops"])
             elif section == "loss_memory":
                 res = loss_memory_section(args, device)
             elif section == "precision":
@@ -457,9 +523,7 @@ def main() -> int:
             failed.append(section)
         res["seconds"] = round(time.perf_counter() - t0, 1)
         result["sections"][section] = res
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        tmp.replace(path)
+        save(result, path)
         print(f"{section}: {res['seconds']} s -> {path}", flush=True)
     if failed:
         print(f"error: section(s) {', '.join(failed)} failed (see {path})", file=sys.stderr)

@@ -8,10 +8,12 @@
 #                  embeddings (the text encoder itself, 90 MB, stays here), train/ and test/
 # Everything together stays under the device's 64 MiB carry limit (checked).
 #
-#   scripts/bench/gpu_bundle.sh [DIR]        (default .cache/gpu-bundle; needs `make setup` and PyPI access)
+#   scripts/bench/gpu_bundle.sh [DIR]        (default .cache/gpu-bundle; needs `make setup` and PyPI access;
+#                                             BUNDLE_PYTHON=3.11: wheels for another Python)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dir=${1:-.cache/gpu-bundle}; py=${PYTHON:-.venv/bin/python}
+pyver=${BUNDLE_PYTHON:-3.12}  # the device image's Python (tests/test_gpu_bundle.py builds a 3.11 one for this machine)
 [ -x "$py" ] || { echo "error: $py not found: run make setup first" >&2; exit 2; }
 # replaces only a bundle it wrote itself (its marker file), never another folder
 for d in "$dir" "$dir.partial"; do
@@ -28,7 +30,7 @@ names = ["open_clip_torch", "ftfy", "wcwidth", "webdataset", "braceexpand", "pyd
 print(" ".join(f"{n}=={m.version(n)}" for n in names))
 PY
 )
-$py -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
+$py -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: --python-version "$pyver" \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$tmp/wheels" $pins hjson==3.1.0
 DS_BUILD_OPS=0 DS_ACCELERATOR=cpu $py -m pip wheel --quiet --disable-pip-version-check --no-deps \

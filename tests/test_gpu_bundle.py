@@ -1,0 +1,53 @@
+"""The GPU check's install path, here: a bundle built by scripts/bench/gpu_bundle.sh for this machine's
+Python 3.11 (the device's cp312 wheels cannot install here, so this proves the install logic, not those
+wheels) at the same pins, installed by scripts/bench/bench_gpu.sh into an empty target over a venv
+holding only what the device image has that we use (torch, torchvision, accelerate, transformers,
+scikit-learn, scikit-image, matplotlib, timm), then the script's imports and its --cpu path run from
+there. Needs PyPI (the bundle's download; torch from this machine's wheels): make test-slow."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+# what the device image ships, as far as this project uses it (the rest comes from the bundle)
+IMAGE = ["torch", "torchvision", "accelerate", "transformers", "scikit-learn", "scikit-image", "matplotlib", "timm"]
+
+
+@pytest.mark.slow  # a venv and a bundle from PyPI: minutes
+def test_the_bundle_installs_only_what_an_image_lacks_and_the_check_runs_from_it(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run(["bash", str(ROOT / "scripts/bench/gpu_bundle.sh"), str(tmp_path / "bundle")], cwd=ROOT,
+                       env={**env, "PYTHON": sys.executable, "BUNDLE_PYTHON": "3.11"},
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    venv = tmp_path / "image"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = str(venv / "bin/python")
+    r = subprocess.run([py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-c",
+                        str(ROOT / "constraints.txt"), *IMAGE], capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    site = tmp_path / "site"
+    r = subprocess.run(["bash", str(ROOT / "scripts/bench/bench_gpu.sh"), "--bundle", str(tmp_path / "bundle"),
+                        "--cpu", "--", "--sections", "step", "loss_memory", "precision"], cwd=ROOT,
+                       env={**env, "PYTHON": py, "MMPT_SITE": str(site), "OUT": str(tmp_path / "out"),
+                            "PYTHONPATH": ""}, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    # the image's own packages are kept, not shadowed (torch brings typing_extensions; the bundle has one too)
+    assert "kept the machine's typing_extensions" in r.stderr and not (site / "typing_extensions.py").exists()
+    installed = {p.name.split("-")[0].lower() for p in site.glob("*.dist-info")}
+    assert installed and not installed & {"torch", "torchvision", "accelerate", "transformers", "timm"}
+    result = json.loads((tmp_path / "out/gpu.json").read_text())
+    v = result["versions"]
+    assert v["torch"]["from"] == "machine" and v["open_clip_torch"]["from"] == "bundle", v
+    assert v["pydantic"]["from"] == "bundle" and v["webdataset"]["from"] == "bundle", v
+    step = result["sections"]["step"]
+    assert "error" not in step, step
+    assert set(step["end_to_end"]["samples_per_s"]) == {"ours_decode_worker", "ours_decode_device", "open_clip_train"}
+    assert all("error" not in result["sections"][s] for s in ("loss_memory", "precision")), result["sections"]
