@@ -85,7 +85,7 @@ openmoji-all: setup noto
 	$(BIN)/python -m data_tools embed $(OPENMOJI_ALL) --model sentence-transformers/all-MiniLM-L6-v2
 
 # What scripts/bench/bench_gpu.sh needs on a GPU machine without network: cp312 wheels of the dependencies its
-# image lacks and a small embedded OpenMoji dataset, ~20 MiB in .cache/gpu-bundle (PyPI access here).
+# image may lack and a small embedded OpenMoji dataset, ~35 MiB in .cache/gpu-bundle (PyPI access here).
 gpu-bundle: setup
 	PYTHON=$(BIN)/python scripts/bench/gpu_bundle.sh .cache/gpu-bundle
 

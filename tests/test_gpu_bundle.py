@@ -46,7 +46,7 @@ def test_the_bundle_installs_only_what_an_image_lacks_and_the_check_runs_from_it
     result = json.loads((tmp_path / "out/gpu.json").read_text())
     v = result["versions"]
     assert v["torch"]["from"] == "machine" and v["open_clip_torch"]["from"] == "bundle", v
-    assert v["pydantic"]["from"] == "bundle" and v["webdataset"]["from"] == "bundle", v
+    assert v["webdataset"]["from"] == "bundle" and v["deepspeed"]["from"] == "bundle", v
     step = result["sections"]["step"]
     assert "error" not in step, step
     assert set(step["end_to_end"]["samples_per_s"]) == {"ours_decode_worker", "ours_decode_device", "open_clip_train"}

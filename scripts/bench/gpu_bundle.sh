@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds what scripts/bench/bench_gpu.sh needs on a GPU machine without network (`make gpu-bundle`):
-#   DIR/wheels/    cp312 wheels of the runtime dependencies such a machine lacks (its image has torch,
+#   DIR/wheels/    cp312 wheels of the runtime dependencies such a machine may lack (its image has torch,
 #                  accelerate, transformers, timm, scikit-learn...; not open_clip, webdataset, pydantic,
-#                  deepspeed), at the versions this project is tested with here; deepspeed as a wheel
+#                  deepspeed), at the versions this project is tested with here (bench_gpu.sh installs
+#                  only those the machine has no version of); deepspeed as a wheel
 #                  built here without compiled ops (pure Python; DS_ACCELERATOR picks CUDA there)
 #   DIR/openmoji/  1,200 OpenMoji emoji at 64 px in 128-sample shards with their MiniLM caption
 #                  embeddings (the text encoder itself, 90 MB, stays here), train/ and test/
@@ -26,13 +27,15 @@ tmp="$dir.partial"; rm -rf "$tmp"; mkdir -p "$tmp/wheels"; touch "$tmp/.mmpt-gpu
 pins=$($py - <<'PY'
 import importlib.metadata as m
 names = ["open_clip_torch", "ftfy", "wcwidth", "webdataset", "braceexpand", "pydantic", "pydantic_core",
-         "annotated_types", "typing_inspection", "typing_extensions"]
+         "annotated_types", "typing_inspection", "typing_extensions",
+         "pandas", "python_dateutil", "six"]  # open_clip_train.data (the end-to-end anchor) imports pandas
 print(" ".join(f"{n}=={m.version(n)}" for n in names))
 PY
 )
 $py -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: --python-version "$pyver" \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d "$tmp/wheels" $pins hjson==3.1.0
+    --platform manylinux2014_x86_64 -d "$tmp/wheels" $pins hjson==3.1.0 ninja==1.13.2 msgpack==1.2.4 \
+    py-cpuinfo==9.0.0 einops==0.8.2  # deepspeed's requirements, at make deepspeed's pins (accelerate imports it)
 DS_BUILD_OPS=0 DS_ACCELERATOR=cpu $py -m pip wheel --quiet --disable-pip-version-check --no-deps \
     --no-build-isolation -w "$tmp/wheels" deepspeed==0.19.8
 HF_HUB_OFFLINE=1 $py -m data_tools build demo:openmoji --out "$tmp/openmoji" --image-size 64 --shard-size 128 \
