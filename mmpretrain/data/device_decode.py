@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import struct
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -113,12 +114,20 @@ class DeviceDecoder:
         from torchvision.transforms import InterpolationMode
 
         self.crop, self.device, self.chunk = crop, torch.device(device), max(1, int(chunk))
+        self.checked = False
         self.interpolation = {Image.BICUBIC: InterpolationMode.BICUBIC, Image.BILINEAR: InterpolationMode.BILINEAR,
                               Image.NEAREST: InterpolationMode.NEAREST_EXACT}.get(crop.interpolation,
                                                                                  InterpolationMode.BICUBIC)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         images = batch["images"].to(self.device, non_blocking=True)
+        if not self.checked:  # the first batch: say so when the workers decoded all of it anyway
+            self.checked = True
+            n = len(batch["jpeg_slots"]) if "jpeg_slots" in batch else 0
+            if n < len(images):
+                print(f"note: data.decode=device: {len(images) - n} of the first batch's {len(images)} images were "
+                      "decoded by the loader workers (not baseline/progressive YCbCr or grey JPEGs: PNG, WebP, "
+                      "CMYK, ...); only JPEGs are decoded on the device", file=sys.stderr)
         if "jpeg_bytes" not in batch:
             batch["images"] = images
             return batch
