@@ -86,3 +86,19 @@ def test_gpu_bundle_replaces_only_a_bundle_it_wrote(tmp_path):
                            capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=60)
         assert r.returncode == 2 and "not a bundle this script wrote" in r.stderr
         assert (target / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.integration  # starts a process
+def test_bench_gpu_never_empties_a_site_folder_it_did_not_make(tmp_path):
+    """bench_gpu.sh empties its install target before installing: a folder of the user's under that
+    name (MMPT_SITE) is refused before anything happens, its files kept."""
+    (tmp_path / "b/wheels").mkdir(parents=True)
+    (tmp_path / "b/openmoji/train").mkdir(parents=True)
+    site = tmp_path / "mine"
+    site.mkdir()
+    (site / "keep.txt").write_text("mine")
+    r = subprocess.run(["bash", str(ROOT / "scripts/bench/bench_gpu.sh"), "--bundle", str(tmp_path / "b"), "--cpu"],
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHON": sys.executable, "MMPT_SITE": str(site), "OUT": str(tmp_path / "o")})
+    assert r.returncode == 2 and "was not made by this script" in r.stderr and "MMPT_SITE" in r.stderr
+    assert (site / "keep.txt").read_text() == "mine" and not (tmp_path / "o").exists()

@@ -138,7 +138,7 @@ class DeviceDecoder:
         bad: list[int] = []
         for c in range(0, len(slots), self.chunk):
             part = range(c, min(c + self.chunk, len(slots)))
-            for k, img in zip(part, self._decode([blobs[k] for k in part], skipped)):
+            for k, img in zip(part, self._decode([blobs[k] for k in part])):
                 out = self._resize(img, boxes[k]) if img is not None else self._host(blobs[k], boxes[k])
                 if out is None:
                     bad.append(slots[k])
@@ -151,7 +151,7 @@ class DeviceDecoder:
             _fill(batch, bad, skipped)
         return batch
 
-    def _decode(self, blobs: list[torch.Tensor], skipped: dict) -> list[torch.Tensor | None]:
+    def _decode(self, blobs: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """(3, h, w) uint8 on the device per blob; None where the device decoder refuses it."""
         import torchvision.io as tio
 
@@ -168,7 +168,7 @@ class DeviceDecoder:
                         out.append(None)
                 return out
 
-    def _resize(self, img: torch.Tensor, box: list[int]) -> torch.Tensor:
+    def _resize(self, img: torch.Tensor, box: list[int]) -> torch.Tensor | None:
         from torchvision.transforms.v2 import functional as F
 
         top, left, h, w = box
@@ -189,8 +189,8 @@ class DeviceDecoder:
 
 def _fill(batch: dict[str, Any], bad: list[int], skipped: dict) -> None:
     """Each slot in ``bad`` (no decodable image) repeats the batch's first good sample, every field."""
-    B = batch["images"].shape[0]
-    good = next((i for i in range(B) if i not in set(bad)), None)
+    unusable = set(bad)
+    good = next((i for i in range(batch["images"].shape[0]) if i not in unusable), None)
     if good is None:
         raise RuntimeError("no image of the batch could be decoded on the device or the host")
     for i in bad:

@@ -112,7 +112,7 @@ def profile(samples: list[tuple[str, bytes]], folder: Path, size: int, batch: in
     dev = DeviceDecoder(fast, "cpu")
     blobs = [torch.frombuffer(bytearray(s["jpg"]), dtype=torch.uint8) for s in raw]
     t0 = time.perf_counter()
-    decoded = [d for i in range(0, n, batch) for d in dev._decode(blobs[i:i + batch], {})]
+    decoded = [d for i in range(0, n, batch) for d in dev._decode(blobs[i:i + batch])]
     t1 = time.perf_counter()
     for d, s in zip(decoded, raw):
         dev._resize(d, list(fast.box(Image.open(io.BytesIO(s["jpg"])), augmentation_seed(0, 0, s["__key__"]))))
