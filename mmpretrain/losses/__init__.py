@@ -3,7 +3,8 @@
 ``LOSSES[name](**options)`` -> an :class:`~mmpretrain.losses.base.Objective` (``nn.Module``); every
 constructor also accepts ``rank``, ``world_size`` and ``chunk_size``. Forward keywords:
 ``image_features (B, D)``, ``text_features (B, D)``, ``logit_scale`` (exponentiated), ``logit_bias``,
-``target_embeddings (B, E)``, the step context (``step``, ``epoch``) and what the objective declares
+``target_embeddings (B, E)``, ``teacher_image_embeddings`` / ``teacher_text_embeddings (B, E)`` and
+``teacher_dims``, the step context (``step``, ``epoch``) and what the objective declares
 it needs (``labels``, ``sample_index``); unknown keywords are ignored. See ``base.py`` for the
 declarations and ARCHITECTURE.md for adding one.
 """
@@ -19,6 +20,7 @@ from mmpretrain.losses.align_uniform import AlignUniformLoss
 from mmpretrain.losses.base import Objective
 from mmpretrain.losses.clip import ClipLoss
 from mmpretrain.losses.cwcl import CwclLoss
+from mmpretrain.losses.distill import DistillLoss
 from mmpretrain.losses.global_clip import GlobalClipLoss
 from mmpretrain.losses.regions import RegionLoss
 from mmpretrain.losses.registry import OBJECTIVES
@@ -49,6 +51,7 @@ class WeightedObjective(nn.Module):
 
     needs_targets = _any_term("needs_targets")
     needs_labels = _any_term("needs_labels")
+    needs_teacher = _any_term("needs_teacher")
     needs_sample_index = _any_term("needs_sample_index")
     needs_index_size = _any_term("needs_index_size")
     whole_batch = _any_term("whole_batch")
@@ -114,5 +117,5 @@ def build_objective(terms: Sequence[dict], rank: int = 0, world_size: int = 1,
     return WeightedObjective(built)
 
 
-__all__ = ["LOSSES", "AlignUniformLoss", "ClipLoss", "CwclLoss", "GlobalClipLoss", "Objective", "RegionLoss", "SigmoidLoss",
+__all__ = ["LOSSES", "AlignUniformLoss", "ClipLoss", "CwclLoss", "DistillLoss", "GlobalClipLoss", "Objective", "RegionLoss", "SigmoidLoss",
            "SoftTargetLoss", "VrnLoss", "WeightedObjective", "build_objective"]

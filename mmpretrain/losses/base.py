@@ -5,6 +5,10 @@ its forward reads beyond the features, and the trainer provides exactly that:
 
 - ``needs_targets``: ``target_embeddings (B, E)``, the frozen caption embeddings (stored with the
   shards, or computed online by ``targets.model``);
+- ``needs_teacher``: ``teacher_image_embeddings (B, E)`` and ``teacher_text_embeddings (B, E)``, a stored
+  teacher's embeddings of the crop the sample trains on and of the caption it trains with (``data_tools
+  embed --image-model``; an ensemble's members side by side) and ``teacher_dims``, each member's width;
+  the stream then replays the teacher's stored crops instead of drawing new ones;
 - ``needs_labels``: ``labels (B,)``, class indices from the shards (``-1`` unknown);
 - ``needs_sample_index``: ``sample_index (B,)``, each sample's global index in the dataset (stable
   under resume, rank count and resampling; a resampled batch can hold one index twice);
@@ -46,6 +50,7 @@ class Objective(nn.Module):
     init_logit_bias: float | None = None
     needs_targets: bool = False
     needs_labels: bool = False
+    needs_teacher: bool = False
     needs_sample_index: bool = False
     needs_dataset_size: bool = False
     needs_index_size: bool = False

@@ -8,6 +8,7 @@ from mmpretrain.losses.align_uniform import AlignUniformLoss
 from mmpretrain.losses.base import Objective
 from mmpretrain.losses.clip import ClipLoss
 from mmpretrain.losses.cwcl import CwclLoss
+from mmpretrain.losses.distill import DistillLoss
 from mmpretrain.losses.global_clip import GlobalClipLoss
 from mmpretrain.losses.sigmoid import SigmoidLoss
 from mmpretrain.losses.soft_target import SoftTargetLoss
@@ -21,4 +22,5 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "vrn": VrnLoss,
     "align_uniform": AlignUniformLoss,
     "global_clip": GlobalClipLoss,
+    "distill": DistillLoss,
 }
