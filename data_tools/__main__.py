@@ -46,7 +46,21 @@ def _parser() -> argparse.ArgumentParser:
                    "(local or remote, with a sizes.json beside the shards)")
     e.add_argument("--out", default=None, help="embedding folder (default: the dataset folder; one subfolder per "
                    "split folder)")
-    e.add_argument("--model", required=True, help="sentence-transformer Hub ID or local folder")
+    e.add_argument("--model", default=None, help="sentence-transformer Hub ID or local folder (the caption rows; "
+                   "optional with --image-model)")
+    e.add_argument("--image-model", action="append", default=None, metavar="M",
+                   help="a CLIP teacher: an open_clip architecture (with --pretrained), hf-hub:ID, or a run/export "
+                   "folder; its image embeddings of each image's evaluation view and K training crops, the crops, "
+                   "and its text embeddings of every caption go beside the shards (teachers.json). Repeat for an "
+                   "ensemble (they share the crops)")
+    e.add_argument("--pretrained", default=None, help="open_clip pretrained tag for --image-model ARCH")
+    e.add_argument("--augmentations", type=int, default=10, metavar="K",
+                   help="training crops per image the teacher embeds (default 10)")
+    e.add_argument("--seed", type=int, default=0, help="seed of the teachers' crops (with the sample key)")
+    e.add_argument("--crop-scale", type=float, nargs=2, default=(0.9, 1.0), metavar=("LO", "HI"),
+                   help="the crops' area fraction range (default open_clip's training 0.9 1.0)")
+    e.add_argument("--crop-ratio", type=float, nargs=2, default=(3 / 4, 4 / 3), metavar=("LO", "HI"),
+                   help="the crops' aspect ratio range (default 3/4 4/3)")
     e.add_argument("--overwrite", action="store_true", help="embed every shard again, also with another model "
                    "than the one recorded")
     e.add_argument("--batch-size", type=int, default=256)
@@ -82,10 +96,23 @@ def _run(args) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     if args.cmd == "embed":
-        from data_tools.embed import embed
+        from data_tools.embed import EmbedError, embed
 
-        print(json.dumps(embed(args.dir, args.model, out=args.out, overwrite=args.overwrite, batch_size=args.batch_size,
-                               device=args.device), indent=2))
+        if args.model is None and not args.image_model:
+            raise EmbedError("give --model (caption rows from a sentence-transformer), --image-model (a CLIP "
+                             "teacher's rows), or both")
+        out = {}
+        if args.model is not None:
+            out["captions"] = embed(args.dir, args.model, out=args.out, overwrite=args.overwrite,
+                                    batch_size=args.batch_size, device=args.device)
+        if args.image_model:
+            from data_tools.embed_teacher import embed_teachers
+
+            out["teachers"] = embed_teachers(args.dir, args.image_model, pretrained=args.pretrained,
+                                             augmentations=args.augmentations, out=args.out, overwrite=args.overwrite,
+                                             batch_size=args.batch_size, device=args.device, seed=args.seed,
+                                             scale=args.crop_scale, ratio=args.crop_ratio)
+        print(json.dumps(out["captions"] if list(out) == ["captions"] else out, indent=2))
         return 0
     if args.cmd == "verify":
         from data_tools.inspect import FATAL, verify

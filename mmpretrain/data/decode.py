@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mmpretrain.data.crop import ResizedCrop, fast_train_transform
+from mmpretrain.data.crop import Box, ResizedCrop, fast_train_transform
 from mmpretrain.data.device_decode import device_jpeg
 from mmpretrain.data.sidecar import IN_TAR, read_row
 
@@ -137,8 +137,10 @@ class SampleDecoder:
 
     def __init__(self, transform, embeddings: str = "optional", draft_size: int | None = None, labels: bool = False,
                  embedding_dim: int | None = None, max_pixels: int | None = 64_000_000, captions: str = "sample",
-                 device_decode: bool = False):
+                 device_decode: bool = False, teacher: bool = False):
         self.transform = transform
+        # objectives that distill from stored teacher rows: the crop is the teacher's, replayed (teacher.py)
+        self.teacher = teacher
         # data.decode=device: a JPEG the device decoder takes leaves as its bytes + crop box (device_decode.py)
         self.device_decode = device_decode and isinstance(transform, ResizedCrop)
         self._blank = torch.zeros((*transform.size, 3), dtype=torch.uint8) if self.device_decode else None
@@ -180,17 +182,23 @@ class SampleDecoder:
             elif self.embeddings == "require":
                 raise SkipSample("missing_embedding")
         aug_seed = augmentation_seed(seed, epoch, raw["__key__"])
+        teacher = self._teacher(raw, pick, len(extra), seed, epoch) if self.teacher else None
         if self.device_decode and ext in ("jpg", "jpeg"):
             size = device_jpeg(raw[ext])
             # over the pixel cap at full size: the worker decodes it reduced (the cap counts drafted pixels)
             if size is not None and not (self.max_pixels and size[0] * size[1] > self.max_pixels):
                 item = self._item(raw, caption, emb, self._blank)  # the pixels are filled in on the device
-                item.update(jpeg=raw[ext], box=self.transform.sampler(*size, random.Random(aug_seed)))
+                box = self.transform.sampler(*size, random.Random(aug_seed)) if teacher is None else \
+                    self._replayed(teacher, *size)
+                item.update(jpeg=raw[ext], box=box, **(teacher[1] if teacher else {}))
                 return item
         try:
             with warnings.catch_warnings():  # Pillow's bomb warning: max_pixels below is the cap that counts
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
                 img = Image.open(io.BytesIO(raw[ext]))
+            if teacher is not None:  # the teacher's stored crop of this epoch, replayed
+                image = self.transform.apply(img, self._replayed(teacher, img.width, img.height), self._check_pixels)
+                return {**self._item(raw, caption, emb, image), **teacher[1]}
             if isinstance(self.transform, ResizedCrop):  # one pass: crop drawn, reduced decode, resize
                 return self._item(raw, caption, emb, self.transform(img, aug_seed, self._check_pixels))
             if self.draft_size and img.format == "JPEG":
@@ -213,6 +221,31 @@ class SampleDecoder:
         finally:
             gen.set_state(saved)
         return self._item(raw, caption, emb, image)
+
+    def _teacher(self, raw: dict[str, Any], pick: int, n_extra: int, seed: int, epoch: int):
+        """``(stored box (top, left, h, w, H, W), item fields)`` of the teacher crop this sample trains on
+        this epoch: one of the K stored crops, drawn by (seed, epoch, sample index); its rows and the
+        teacher's row of the caption drawn. Raises ``missing_teacher`` / ``bad_teacher_row``."""
+        rows = raw.get("__teacher__")
+        if rows is None or (pick and len(rows.extra) != n_extra):
+            raise SkipSample("missing_teacher")
+        k = rows.crops.shape[0] - 1
+        a = 1 + random.Random(f"{seed}:{epoch}:{raw['__index__']}:teacher-crop").randrange(k)
+        image = rows.image[a]
+        text = rows.extra[pick - 1] if pick else rows.text
+        if (rows.crops[a] < 0).any() or not (np.isfinite(image).all() and np.isfinite(text).all()):
+            raise SkipSample("bad_teacher_row")
+        box = (*(int(v) for v in rows.crops[a]), int(rows.crops[0][2]), int(rows.crops[0][3]))
+        return box, {"teacher_image": torch.from_numpy(image.astype(np.float32)),
+                     "teacher_text": torch.from_numpy(text.astype(np.float32))}
+
+    @staticmethod
+    def _replayed(teacher, width: int, height: int) -> Box:
+        """The stored box, when it was drawn for an image of this size and lies inside it."""
+        top, left, h, w, stored_h, stored_w = teacher[0]
+        if (stored_h, stored_w) != (height, width) or top + h > height or left + w > width or min(h, w) <= 0:
+            raise SkipSample("teacher_crop_mismatch")
+        return Box(top, left, h, w)
 
     def _check_pixels(self, img: Image.Image) -> None:
         if self.max_pixels and img.width * img.height > self.max_pixels:

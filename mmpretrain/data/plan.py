@@ -49,6 +49,7 @@ class StreamPlan:
         self.sizes = [n for s in self.sources for n in s.sizes]
         # each shard's sidecar embeddings (mmpretrain.data.sidecar.SourceEmbeddings), None: none beside it
         self.embeddings = [s.embeddings for s in self.sources for _ in s.urls]
+        self.teachers = [s.teachers for s in self.sources for _ in s.urls]  # SourceTeachers (teacher.py) or None
         # the global index of sample i of shard k is offsets[k] + i (shards in data.train order)
         self.offsets = np.cumsum([0] + self.sizes[:-1]).tolist() if self.sizes else []
         self.readers = self.world_size * self.workers

@@ -303,6 +303,8 @@ def attach_embeddings(sources: list, spec: str | None) -> None:
     for source, d in zip(sources, dirs):
         emb_dir = d or posixpath.dirname(shard_path(source.urls[0])) or "."
         index = read_index(emb_dir)
+        if d and index is None and os.path.isfile(join(emb_dir, "teachers.json")):
+            continue  # a folder of teacher rows only (mmpretrain.data.teacher): no caption rows to attach
         if d and index is None:
             raise FileNotFoundError(f"data.embeddings: {emb_dir} holds no readable {INDEX}; write it with "
                                     f"`python -m data_tools embed {source.spec} --model MODEL --out {emb_dir}`")

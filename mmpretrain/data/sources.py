@@ -37,6 +37,7 @@ class Source:
     weight: float = 1.0
     manifest: dict[str, Any] = field(default_factory=dict)  # the dataset's manifest.json ({} when absent)
     embeddings: Any = None  # mmpretrain.data.sidecar.SourceEmbeddings when caption embeddings lie beside the shards
+    teachers: Any = None  # mmpretrain.data.teacher.SourceTeachers when an objective distills from stored teachers
     # (their record, whatever the layout: mmpretrain.data.sidecar.recorded)
 
     @property

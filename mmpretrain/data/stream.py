@@ -89,8 +89,10 @@ class SegmentReader:
     its ``sizes.json`` count (never read by the plan) are counted in ``uncounted``."""
 
     def __init__(self, urls: list[str], offsets: list[int], sizes: list[int], segments: Iterator[Segment],
-                 embeddings: list | None = None):
+                 embeddings: list | None = None, teachers: list | None = None):
         self.urls, self.offsets, self.sizes = urls, offsets, sizes
+        self.teachers = teachers  # per shard: its SourceTeachers, or None (mmpretrain.data.teacher)
+        self.shard_teacher: tuple[int, Any] | None = None
         self.segments = segments
         self.embeddings = embeddings  # per shard: its SourceEmbeddings, or None
         self.shard_emb: tuple[int, Any] | None = None  # (shard, ShardEmbeddings) of the shard last opened
@@ -151,6 +153,11 @@ class SegmentReader:
                 side = self._sidecar(seg.shard)
                 raw["__emb__"] = side.row(seg.start + want, raw["__key__"])
                 raw["__emb_extra__"] = side.extra(seg.start + want) if raw["__emb__"] is not None else None
+            if self.teachers is not None and self.teachers[seg.shard] is not None:
+                if self.shard_teacher is None or self.shard_teacher[0] != seg.shard:
+                    self.shard_teacher = (seg.shard, self.teachers[seg.shard].for_shard(self.urls[seg.shard],
+                                                                                         self.sizes[seg.shard]))
+                raw["__teacher__"] = self.shard_teacher[1].rows(seg.start + want, raw["__key__"])
             self._check_tail()
             return raw
         except StopIteration:
@@ -188,6 +195,9 @@ def collate(items: list[dict[str, Any]], tokenizer=None) -> dict[str, Any]:
         batch["tokens"] = tokenizer(batch["texts"])
     if all("emb" in it for it in items):
         batch["target_embeddings"] = _stack([it["emb"] for it in items])
+    if all("teacher_image" in it for it in items):  # stored teacher rows (mmpretrain.data.teacher)
+        batch["teacher_image_embeddings"] = _stack([it["teacher_image"] for it in items])
+        batch["teacher_text_embeddings"] = _stack([it["teacher_text"] for it in items])
     if all("label" in it for it in items):
         batch["labels"] = torch.tensor([it["label"] for it in items], dtype=torch.long)
     batch.update(jpeg_fields(items))  # data.decode=device: the JPEGs the trainer decodes
@@ -218,7 +228,7 @@ class Reader:
         else:
             M, P = None, 0
             segments = lambda: plan.drawn_segments(epoch, self.index)  # noqa: E731
-        reader = SegmentReader(plan.urls, plan.offsets, plan.sizes, segments(), plan.embeddings)
+        reader = SegmentReader(plan.urls, plan.offsets, plan.sizes, segments(), plan.embeddings, plan.teachers)
         fruitless = 0
         while emitted < L:
             if M is None or pos < M:  # shuffled blocks (never crossing into the spares)

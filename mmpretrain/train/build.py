@@ -22,6 +22,7 @@ from mmpretrain.data.manifest import provenance_record
 from mmpretrain.data.plan import StreamPlan
 from mmpretrain.data.sidecar import attach_embeddings, check_extra_rows, recorded, stored_dim
 from mmpretrain.data.sources import Source, resolve_sources
+from mmpretrain.data.teacher import attach_teachers
 from mmpretrain.data.stream import StreamPosition, TrainStream, make_loader
 from mmpretrain.eval import Evaluator, load_task_data
 from mmpretrain.hub_cache import offline, require_model
@@ -65,6 +66,19 @@ def build_data(cfg: ExperimentConfig, world_size: int) -> Data:
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None
     return Data(sources, plan, resolve_schedule(cfg, plan.steps_per_epoch, plan.num_samples, world_size))
+
+
+def teachers_for(cfg: ExperimentConfig, data: Data, objective: WeightedObjective) -> list[int] | None:
+    """The stored teachers' widths when the objective distills from them (attached to the sources and the
+    plan), else None."""
+    if not objective.needs_teacher:
+        return None
+    try:
+        dims = attach_teachers(data.sources, cfg.data.embeddings)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    data.plan.teachers = [s.teachers for s in data.sources for _ in s.urls]
+    return dims
 
 
 def shard_sharing_note(plan: StreamPlan) -> str | None:
@@ -189,7 +203,7 @@ def build_loader(cfg: ExperimentConfig, data: Data, model: Model, objective: Wei
         transform,
         embeddings={"shards": "require", "online": "ignore", "none": "ignore"}[target_from],
         labels=objective.needs_labels, embedding_dim=embedding_dim, max_pixels=cfg.data.max_pixels,
-        captions=cfg.data.captions, device_decode=cfg.data.decode == "device",
+        captions=cfg.data.captions, device_decode=cfg.data.decode == "device", teacher=objective.needs_teacher,
     )
     stream = TrainStream(data.plan, decoder, rank, start=position.state() if position is not None else None,
                          tokenizer=None if cfg.model.text_from_targets else factory.make_tokenizer(model.model_cfg))
@@ -272,6 +286,7 @@ def setup(cfg: ExperimentConfig) -> Run:
     objective = build_objective_for(cfg, rank, world, data.schedule.num_samples,
                                     index_size=sum(s.num_samples for s in data.sources))
     target_from = target_source(cfg, data.sources, objective)  # shards / online / none
+    teacher_dims = teachers_for(cfg, data, objective)
     if target_from == "online":
         try:
             require_model(cfg.targets.model, "targets.model")
@@ -284,6 +299,10 @@ def setup(cfg: ExperimentConfig) -> Run:
     state = TrainState(build_position(data.plan, saved, rank, world, ckpt))
     # the augmentation ends in uint8 in the loader; normalisation runs on the device (train_step)
     transform, normalize = train_transform(cfg, model)
+    if teacher_dims is not None and not isinstance(transform, ResizedCrop):
+        raise ConfigError(f"the objective trains on the teacher's stored crops, which replay open_clip's plain random "
+                          f"resized crop; data.aug_cfg={cfg.data.aug_cfg} adds other augmentations: keep only scale in "
+                          "data.aug_cfg (the stored crops set it), or drop distill from loss")
     device_decoder = None
     if cfg.data.decode == "device":
         if not isinstance(transform, ResizedCrop):
@@ -317,7 +336,7 @@ def setup(cfg: ExperimentConfig) -> Run:
               tokenizer=factory.make_tokenizer(model.model_cfg), target_encoder=target_encoder,
               trim_text=factory.trims_text(model.module.clip), evaluator=evaluator,
               log=JsonlLog(files.log, records) if acc.is_main_process else None, input_dtype=input_dtype(acc),
-              normalize=normalize, device_decoder=device_decoder)
+              normalize=normalize, device_decoder=device_decoder, teacher_dims=teacher_dims)
     if cfg.train.log_with:
         hparams = {k: str(v) if isinstance(v, (list, dict)) else v
                    for k, v in flat_config(cfg.model_dump(mode="json")).items() if v is not None}

@@ -25,7 +25,8 @@ from mmpretrain.train.schedule import lr_at
 from mmpretrain.train.state import Run
 
 
-def step_context(objective, step: int, batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+def step_context(objective, step: int, batch: dict[str, Any], device: torch.device,
+                 teacher_dims: list[int] | None = None) -> dict[str, Any]:
     """What the objective's forward receives besides the features: ``step``, ``epoch`` (1-based, the
     stream epoch the batch belongs to) and the per-sample inputs it declares it needs."""
     context: dict[str, Any] = {"step": step, "epoch": int(batch["epoch"]) + 1}
@@ -33,6 +34,10 @@ def step_context(objective, step: int, batch: dict[str, Any], device: torch.devi
         context["labels"] = batch["labels"].to(device, non_blocking=True)
     if objective.needs_sample_index:
         context["sample_index"] = batch["sample_index"].to(device, non_blocking=True)
+    if getattr(objective, "needs_teacher", False):  # the stored teacher rows of the crops and captions trained on
+        for key in ("teacher_image_embeddings", "teacher_text_embeddings"):
+            context[key] = batch[key].to(device, non_blocking=True)
+        context["teacher_dims"] = teacher_dims
     return context
 
 
@@ -76,7 +81,7 @@ def train_step(run: Run, batch: dict[str, Any]) -> StepResult:
     res = forward_backward(acc, run.model, run.objective, images, tokens, target_emb,
                            micro_batch=cfg.train.micro_batch_size, mode=cfg.train.micro_batch_mode,
                            finite=lambda loss: agree_finite(acc, loss),
-                           context=step_context(run.objective, st.step, batch, acc.device))
+                           context=step_context(run.objective, st.step, batch, acc.device, run.teacher_dims))
     res.terms["lr"] = lr
     if not res.finite:
         terms = ", ".join(f"{k}={float(v):.4g}" for k, v in res.terms.items() if k.endswith(("_loss", "_unweighted")))

@@ -55,6 +55,7 @@ class Run:
     input_dtype: torch.dtype | None = None  # images cast to it (DeepSpeed's half-precision weights)
     normalize: Callable | None = None  # uint8 batches -> normalised float on the device (decode.DeviceNormalize)
     device_decoder: Any = None  # data.decode=device: the batch's JPEGs decoded on the device (device_decode.py)
+    teacher_dims: list[int] | None = None  # each stored teacher's width, for objectives that distill (teacher.py)
 
     def write(self, rec: dict[str, Any]) -> None:
         """A log record: log.jsonl and the trackers (main process)."""

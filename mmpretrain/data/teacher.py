@@ -1,0 +1,210 @@
+"""Teacher targets beside the shards: the one owner of their formats (written by ``data_tools embed
+--image-model``, read by the training stream). As DataCompDR stores a CLIP ensemble's embeddings of
+several augmentations of each image, with the augmentations' parameters, so training replays exactly
+the crop the teacher saw.
+
+In an embedding folder ``EMB_DIR`` (the dataset folder by default, as the caption sidecars), per shard
+``NAME.tar``::
+
+    EMB_DIR/
+      teachers.json                      {"version", "augmentations": {count, seed, scale, ratio, sampler},
+                                          "teachers": {TID: {model, pretrained, dim, image_size, ...,
+                                                             "shards": {NAME.tar: {count, bytes, first_key, extra}}}}}
+      NAME.tar.teacher_keys.txt          the shard's sample keys, one a line, in its sample order
+      NAME.tar.crops.npy                 int32 (n, 1 + K, 4): row 0 (0, 0, H, W) the image's size (what the
+                                          evaluation transform sees), rows 1..K the K training crops
+                                          (top, left, height, width) in original pixels; -1 where the
+                                          image could not be decoded
+      NAME.tar.caption_counts.npy        int64 (n,): each sample's number of extra captions
+      NAME.tar.teacher-TID.image.npy     float16 (n, 1 + K, E): the teacher's L2-normalised image
+                                          embeddings of the evaluation view and of the K crops
+      NAME.tar.teacher-TID.text.npy      float16 (n, E): of caption 0
+      NAME.tar.teacher-TID.captions.npy  float16 (extra, E): of the extra captions, sample by sample
+
+``teachers.json`` is its own index (``embeddings.json`` is the caption model's, rewritten by every
+caption embed): adding a teacher never touches the caption rows, and several teachers (an ensemble)
+share one set of crops, each its own block. Size: ``n (1 + K) E`` 2-byte numbers per teacher (CC3M's
+2.9 M images at K = 10 and E = 1,536: ~98 GB).
+
+A shard whose files do not match it (keys, counts, shapes, a rebuilt shard) gives its samples no
+teacher rows: each is counted as ``missing_teacher``, the reason logged once per shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import posixpath
+import re
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from mmpretrain.data.sidecar import join, shard_bytes
+from mmpretrain.data.urls import is_local, open_url, shard_path
+
+log = logging.getLogger("mmpretrain.data")
+
+TEACHERS = "teachers.json"
+TEACHER_VERSION = 1
+KEYS = ".teacher_keys.txt"
+CROPS = ".crops.npy"
+COUNTS = ".caption_counts.npy"
+SHARED = (KEYS, CROPS, COUNTS)  # the files every teacher of a shard shares
+
+
+def teacher_files(tid: str) -> tuple[str, str, str]:
+    """A teacher's per-shard suffixes: image rows, caption-0 rows, extra captions' rows."""
+    return (f".teacher-{tid}.image.npy", f".teacher-{tid}.text.npy", f".teacher-{tid}.captions.npy")
+
+
+def teacher_id(model: str, pretrained: str | None = None) -> str:
+    """A file-name-safe id for a teacher: its name's last part, readable, plus a hash of the whole."""
+    full = f"{model}@{pretrained}" if pretrained else model
+    base = re.sub(r"[^A-Za-z0-9._-]+", "_", full.rstrip("/").rsplit("/", 1)[-1].removeprefix("hf-hub:"))[:40]
+    return f"{base}-{hashlib.blake2b(full.encode(), digest_size=4).hexdigest()}"
+
+
+def read_teachers(emb_dir: str) -> dict[str, Any] | None:
+    """``teachers.json`` of ``emb_dir``, or None when there is none readable."""
+    url = join(emb_dir, TEACHERS)
+    try:
+        if is_local(emb_dir):
+            data = json.loads(Path(url).read_text())
+        else:
+            with open_url(url) as f:
+                data = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(data, dict) and isinstance(data.get("teachers"), dict) and isinstance(data.get("augmentations"), dict)
+    return data if ok else None
+
+
+def save_npy(path: Path, array: np.ndarray) -> None:
+    """``array`` to ``path`` through a temporary file and a rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, array, allow_pickle=False)
+    os.replace(tmp, path)
+
+
+def _load(emb_dir: str, name: str) -> np.ndarray:
+    with open_url(join(emb_dir, name)) as f:
+        return np.load(io.BytesIO(f.read()), allow_pickle=False)
+
+
+class TeacherRows(NamedTuple):
+    """One sample's stored teacher targets: ``crops (1 + K, 4)``, ``image (1 + K, sum E)`` (the members
+    side by side), ``text (sum E,)`` for caption 0, ``extra (n_extra, sum E)``."""
+
+    crops: np.ndarray
+    image: np.ndarray
+    text: np.ndarray
+    extra: np.ndarray
+
+
+class ShardTeachers:
+    """The teacher rows of one shard for the teachers ``tids``, checked against the shard when opened."""
+
+    def __init__(self, emb_dir: str, url: str, expected: int, index: dict[str, Any], tids: list[str],
+                 warned: set[str]):
+        self.name = posixpath.basename(shard_path(url))
+        self.where = join(emb_dir, self.name + CROPS)
+        self.reason: str | None = None
+        self.keys: list[str] = []
+        try:
+            self._load(emb_dir, url, expected, index, tids)
+        except (OSError, ValueError, EOFError) as e:
+            self.reason = f"unreadable ({e.__class__.__name__}: {e})"
+        if self.reason and self.name not in warned:
+            warned.add(self.name)
+            log.warning("teacher rows %s: %s; the shard's %d sample(s) count as missing_teacher (run `python -m "
+                        "data_tools embed --image-model` again)", self.where, self.reason, expected)
+
+    def _load(self, emb_dir: str, url: str, expected: int, index: dict[str, Any], tids: list[str]) -> None:
+        k = int(index["augmentations"]["count"])
+        with open_url(join(emb_dir, self.name + KEYS)) as f:
+            keys = f.read().decode("utf-8").splitlines()
+        crops, counts = _load(emb_dir, self.name + CROPS), _load(emb_dir, self.name + COUNTS)
+        if len(keys) != expected or crops.shape != (expected, 1 + k, 4) or counts.shape != (expected,):
+            self.reason = (f"{len(keys)} keys, crops of shape {crops.shape} and {counts.shape[0]} caption counts for "
+                           f"a shard of {expected} samples at K = {k}")
+            return
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        images, texts, extras = [], [], []
+        nbytes = shard_bytes(url)
+        for tid in tids:
+            block = index["teachers"][tid]
+            record = block["shards"].get(self.name)
+            if not isinstance(record, dict):
+                self.reason = f"{TEACHERS} has no record of {self.name} for teacher {tid}"
+                return
+            if record.get("count") != expected or (keys and record.get("first_key") != keys[0]):
+                self.reason = f"teacher {tid} embedded {record.get('count')} samples, the shard holds {expected}"
+                return
+            if nbytes is not None and record.get("bytes") is not None and nbytes != record["bytes"]:
+                self.reason = f"the shard has {nbytes} bytes, {record['bytes']} when it was embedded: it was rebuilt"
+                return
+            image, text, extra = (_load(emb_dir, self.name + s) for s in teacher_files(tid))
+            e = int(block["dim"])
+            if image.shape != (expected, 1 + k, e) or text.shape != (expected, e) or extra.shape != (offsets[-1], e):
+                self.reason = (f"teacher {tid}'s rows of shapes {image.shape}, {text.shape}, {extra.shape}; "
+                               f"{TEACHERS} says ({expected}, {1 + k}, {e}), ({expected}, {e}), ({offsets[-1]}, {e})")
+                return
+            images.append(image)
+            texts.append(text)
+            extras.append(extra)
+        self.keys, self.crops, self.offsets = keys, crops, offsets
+        self.images, self.texts, self.extras = images, texts, extras
+
+    def rows(self, pos: int, key: str) -> TeacherRows | None:
+        if self.reason or pos >= len(self.keys) or self.keys[pos] != key:
+            return None
+        a, b = self.offsets[pos], self.offsets[pos + 1]
+        return TeacherRows(self.crops[pos], np.concatenate([m[pos] for m in self.images], -1),
+                           np.concatenate([m[pos] for m in self.texts], -1),
+                           np.concatenate([m[a:b] for m in self.extras], -1))
+
+
+class SourceTeachers:
+    """A source's teacher folder: ``for_shard(url, expected)`` gives the shard's checked rows."""
+
+    def __init__(self, emb_dir: str, index: dict[str, Any], tids: list[str]):
+        self.emb_dir, self.index, self.tids = emb_dir, index, tids
+        self.count = int(index["augmentations"]["count"])
+        self.dims = [int(index["teachers"][t]["dim"]) for t in tids]
+        self.warned: set[str] = set()
+
+    def for_shard(self, url: str, expected: int) -> ShardTeachers:
+        return ShardTeachers(self.emb_dir, url, expected, self.index, self.tids, self.warned)
+
+
+def attach_teachers(sources: list, spec: str | None) -> list[int]:
+    """Give each source its teachers (every teacher its ``teachers.json`` records, in its order): in the
+    ``data.embeddings`` folder of the source, else beside its shards. Returns the members' dimensions;
+    raises ValueError naming the fix when a source has none, or the sources differ."""
+    dirs = [d.strip() for d in spec.split("::")] if spec else [""] * len(sources)
+    seen = None
+    for source, d in zip(sources, dirs):
+        emb_dir = d or posixpath.dirname(shard_path(source.urls[0])) or "."
+        index = read_teachers(emb_dir)
+        if index is None or not index["teachers"]:
+            raise ValueError(f"data.train source {source.spec}: the objective distills from a teacher, but {emb_dir} "
+                             f"holds no {TEACHERS}: embed the shards with one (`python -m data_tools embed "
+                             f"{source.spec} --image-model MODEL --augmentations K`), or point data.embeddings at "
+                             "the folder it wrote")
+        if index["augmentations"].get("count", 0) < 1:
+            raise ValueError(f"{join(emb_dir, TEACHERS)}: the teachers saw no training crop (--augmentations 0): "
+                             "embed again with --augmentations K (K >= 1) to train on their crops")
+        tids = list(index["teachers"])
+        members = [(index["teachers"][t]["model"], index["teachers"][t]["dim"]) for t in tids]
+        if seen is not None and members != seen:
+            raise ValueError(f"data.train: the sources' teachers differ ({seen} vs {members}): embed every source "
+                             "with the same --image-model list")
+        seen = members
+        source.teachers = SourceTeachers(emb_dir, index, tids)
+    return [d for _, d in seen or []]
