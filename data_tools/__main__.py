@@ -54,8 +54,9 @@ def _parser() -> argparse.ArgumentParser:
                    "and its text embeddings of every caption go beside the shards (teachers.json). Repeat for an "
                    "ensemble (they share the crops)")
     e.add_argument("--pretrained", default=None, help="open_clip pretrained tag for --image-model ARCH")
-    e.add_argument("--augmentations", type=int, default=10, metavar="K",
-                   help="training crops per image the teacher embeds (default 10)")
+    e.add_argument("--augmentations", type=int, default=None, metavar="K",
+                   help="training crops per image the teacher embeds (default: the K the folder's teachers.json "
+                   "records, else 10)")
     e.add_argument("--seed", type=int, default=0, help="seed of the teachers' crops (with the sample key)")
     e.add_argument("--crop-scale", type=float, nargs=2, default=(0.9, 1.0), metavar=("LO", "HI"),
                    help="the crops' area fraction range (default open_clip's training 0.9 1.0)")

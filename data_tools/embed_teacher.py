@@ -200,11 +200,17 @@ def _done(emb_dir: Path, url: str, teacher: Teacher, aug: dict) -> dict | None:
     return done if fresh and files else None
 
 
-def embed_teachers(path: str | Path, models: list[str], *, pretrained: str | None = None, augmentations: int = 10,
+def embed_teachers(path: str | Path, models: list[str], *, pretrained: str | None = None,
+                   augmentations: int | None = None,
                    out: str | Path | None = None, overwrite: bool = False, batch_size: int = 256,
                    device: str | None = None, seed: int = 0, scale=(0.9, 1.0), ratio=(3 / 4, 4 / 3),
                    workers: int = 2) -> list[dict]:
-    """Embed every dataset ``path`` names with each teacher of ``models`` (an ensemble shares the crops)."""
+    """Embed every dataset ``path`` names with each teacher of ``models`` (an ensemble shares the crops).
+    ``augmentations`` None: the K recorded in the first dataset's ``teachers.json``, else 10."""
+    jobs = embed_jobs(str(path), out)
+    if augmentations is None:
+        recorded = (read_teachers(str(jobs[0][1])) or {}).get("augmentations") or {}
+        augmentations = int(recorded.get("count", 10))
     if augmentations < 0:
         raise EmbedError(f"--augmentations {augmentations}: give 0 or more training crops per image")
     try:
@@ -213,7 +219,6 @@ def embed_teachers(path: str | Path, models: list[str], *, pretrained: str | Non
         raise EmbedError(f"--crop-scale / --crop-ratio: {e}") from None
     aug = {"count": int(augmentations), "seed": int(seed), "scale": [float(s) for s in scale],
            "ratio": [float(r) for r in ratio], "sampler": SAMPLER}
-    jobs = embed_jobs(str(path), out)
     for _, emb_dir, _ in jobs:  # refuse before loading anything
         if (emb_dir / TEACHERS).exists() and read_teachers(str(emb_dir)) is None:
             raise EmbedError(f"{emb_dir / TEACHERS} exists and is not an index embed wrote: it is left as it is; "

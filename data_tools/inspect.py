@@ -15,6 +15,7 @@ from mmpretrain.data.decode import IMAGE_EXTS
 from mmpretrain.data.manifest import read_manifest, read_sizes
 from mmpretrain.data.sidecar import EMB_SUFFIX, IN_TAR, INDEX, LAYOUT, SourceEmbeddings, read_index, read_row
 from mmpretrain.data.tar import UNREADABLE, read_tar
+from mmpretrain.data.teacher import SourceTeachers, read_teachers
 
 # problems that make the folder unusable as listed (exit 1 even without --strict)
 FATAL = {"missing_shard", "unreadable_tar", "count_mismatch"}
@@ -24,7 +25,7 @@ def sidecars(folder: Path, emb_dir: str | Path | None) -> SourceEmbeddings | Non
     """The embedding folder to check with ``folder``: ``emb_dir``, else the folder itself when it holds
     an ``embeddings.json``."""
     index = read_index(str(emb_dir or folder))
-    if emb_dir is not None and index is None:
+    if emb_dir is not None and index is None and read_teachers(str(emb_dir)) is None:
         raise FileNotFoundError(f"--embeddings {emb_dir}: no readable {INDEX} in it")
     return SourceEmbeddings(str(emb_dir or folder), index) if index else None
 
@@ -43,6 +44,8 @@ def verify_folder(folder: Path, emb_dir: str | Path | None = None) -> dict[str, 
             "they were written to with --embeddings EMB_DIR (data.embeddings=EMB_DIR in training)")
         emb = {}
     seen: dict[str, str] = {}
+    index = read_teachers(str(emb_dir or folder))  # teacher rows (embed --image-model), checked the same way
+    teachers = SourceTeachers(str(emb_dir or folder), index, list(index["teachers"])) if index else None
     for name, expected in sorted(sizes.items()):
         path = folder / name
         if not path.is_file():
@@ -51,11 +54,17 @@ def verify_folder(folder: Path, emb_dir: str | Path | None = None) -> dict[str, 
         rows = side.for_shard(str(path), expected) if side else None
         if rows is not None and rows.reason:
             problems["bad_embedding_file"].append(f"{rows.where}: {rows.reason}")
+        trows = teachers.for_shard(str(path), expected) if teachers else None
+        if trows is not None and trows.reason:
+            problems["bad_teacher_file"].append(f"{trows.where}: {trows.reason}")
         count = 0
         try:
             for s in read_tar(path):
                 if rows is not None and rows.rows is not None:
                     _check_row(rows, count, s["__key__"], path, problems)
+                if trows is not None and not trows.reason and trows.rows(count, s["__key__"]) is None:
+                    problems["missing_teacher"].append(f"{path.name}:{s['__key__']}: the teacher rows' key at "
+                                                       f"position {count} is {trows.keys[count:count + 1]}")
                 count += 1
                 _check_sample(s, path, emb, seen, problems)
         except UNREADABLE as e:

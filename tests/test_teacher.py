@@ -1,0 +1,200 @@
+"""Teacher targets beside the shards (data_tools embed --image-model) and training on them (distill):
+the rows are the teacher's embeddings of the stored crops, the stream replays the crop it hands the
+rows of, a resume is bit-identical, tampered files are counted skips, mistakes are refused."""
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mmpretrain.data.crop import CropSampler
+from mmpretrain.data.decode import augmentation_seed
+from mmpretrain.data.teacher import CROPS, TEACHERS, teacher_files
+
+from conftest import SHORT, run_main, setup_run, train
+
+K = 3
+# a teacher of the experiment grid's kind: the packaged ViT with a trainable open_clip text tower
+TEACHER = ["model.arch=mmpt-tiny-vit", "model.lock_text=false", "model.text_from_targets=false",
+           "data.batch_size=16", "data.num_workers=0", "loss=[{name: clip}]"]
+DISTILL = ["model.arch=mmpt-tiny-vit", "model.lock_text=false", "model.text_from_targets=false",
+           "data.batch_size=16", "data.num_workers=0", "data.shuffle_buffer=32",
+           "loss=[{name: clip, weight: 0.5}, {name: distill, weight: 1.0}]"]
+
+
+@pytest.fixture(scope="module")
+def teacher_data(openmoji, tmp_path_factory) -> dict:
+    """A teacher trained 3 steps on the OpenMoji shards, and a copy of those shards embedded with it."""
+    root = tmp_path_factory.mktemp("teacher")
+    r = train(openmoji / "train", root / "teacher", "train.steps=3", *TEACHER)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = root / "data"
+    shutil.copytree(openmoji / "train", data)
+    r = run_main("data_tools", "embed", str(data), "--image-model", str(root / "teacher"), "--augmentations", str(K))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {"root": root, "teacher": root / "teacher", "data": data, "out": json.loads(r.stdout)}
+
+
+def _index(data: Path) -> tuple[str, dict]:
+    index = json.loads((data / TEACHERS).read_text())
+    (tid, block), = index["teachers"].items()
+    return tid, index
+
+
+def test_embed_writes_the_teachers_rows_of_the_stored_crops(teacher_data):
+    from mmpretrain.models.load import load_model
+
+    data = teacher_data["data"]
+    tid, index = _index(data)
+    total = sum(json.loads((data / "sizes.json").read_text()).values())
+    assert index["augmentations"]["count"] == K and teacher_data["out"]["teachers"][0]["images"] == total
+    block = index["teachers"][tid]
+    name = sorted(block["shards"])[0]
+    crops = np.load(data / (name + CROPS))
+    image, text, _ = (np.load(data / (name + s)) for s in teacher_files(tid))
+    n, e = block["shards"][name]["count"], block["dim"]
+    assert crops.shape == (n, 1 + K, 4) and image.shape == (n, 1 + K, e) and text.shape == (n, e)
+    assert image.dtype == np.float16 and np.allclose(np.linalg.norm(image.astype(np.float32), axis=-1), 1, atol=2e-3)
+    keys = (data / (name + ".teacher_keys.txt")).read_text().splitlines()
+    # the crops are the training sampler's, seeded by (seed, key); row 0 is the image's size
+    from mmpretrain.data.tar import read_tar
+
+    raw = next(iter(read_tar(str(data / name))))
+    from PIL import Image
+    import io
+
+    img = Image.open(io.BytesIO(raw["png"])).convert("RGB")
+    assert keys[0] == raw["__key__"] and tuple(crops[0, 0]) == (0, 0, img.height, img.width)
+    rng = random.Random(augmentation_seed(0, 0, raw["__key__"] + "/teacher-crops"))
+    sampler = CropSampler(index["augmentations"]["scale"], index["augmentations"]["ratio"])
+    assert [tuple(c) for c in crops[0, 1:]] == [tuple(sampler(img.width, img.height, rng)) for _ in range(K)]
+    # each row is the teacher's own embedding of that view and of caption 0
+    model, preprocess, tokenizer = load_model(str(teacher_data["teacher"]))
+    from data_tools.embed_teacher import Teacher
+
+    t = Teacher(str(teacher_data["teacher"]), None, "cpu")
+    want = t.image(t.views(img, [tuple(c) for c in crops[0, 1:]])).numpy()
+    assert np.abs(image[0].astype(np.float32) - want).max() < 2e-3
+    with torch.no_grad():
+        y = torch.nn.functional.normalize(model.encode_text(tokenizer([raw["txt"].decode()])), dim=-1)[0].numpy()
+    assert np.abs(text[0].astype(np.float32) - y).max() < 2e-3
+    r = run_main("data_tools", "verify", str(data), "--strict")
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_embed_resumes_adds_a_second_teacher_and_refuses_other_crops(teacher_data, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(teacher_data["data"], data)
+    first, _ = _index(data)
+    again = run_main("data_tools", "embed", str(data), "--image-model", str(teacher_data["teacher"]),
+                     "--augmentations", str(K))
+    assert again.returncode == 0 and json.loads(again.stdout)["teachers"][0]["shards"] == 0  # all done: skipped
+    other = teacher_data["root"] / "teacher2"
+    shutil.copytree(teacher_data["teacher"], other)  # an ensemble's second member (here, the same weights)
+    crops_before = np.load(data / (sorted(_index(data)[1]["teachers"][first]["shards"])[0] + CROPS))
+    r = run_main("data_tools", "embed", str(data), "--image-model", str(other), "--augmentations", str(K))
+    assert r.returncode == 0, r.stderr[-2000:]
+    index = json.loads((data / TEACHERS).read_text())
+    assert len(index["teachers"]) == 2 and first in index["teachers"]  # no --overwrite needed, the first kept
+    name = sorted(index["teachers"][first]["shards"])[0]
+    assert np.array_equal(np.load(data / (name + CROPS)), crops_before)  # the members share the crops
+    default = run_main("data_tools", "embed", str(data), "--image-model", str(other))  # K: the recorded one
+    assert default.returncode == 0 and json.loads(default.stdout)["teachers"][0]["augmentations"] == K
+    bad = run_main("data_tools", "embed", str(data), "--image-model", str(other), "--augmentations", "5")
+    assert bad.returncode == 2 and "--overwrite" in bad.stderr and "K=3" in bad.stderr
+    for args, words in ((["--image-model", str(tmp_path / "nope")], "--image-model"),
+                        ([], "--image-model"), (["--image-model", str(other), "--augmentations", "-1"], "-1")):
+        r = run_main("data_tools", "embed", str(data), *args)
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def _batch_rows(data: Path, batch: dict, seed: int = 0, epoch: int = 0):
+    """The stored rows and crop a batch's samples should carry: per sample, the crop drawn by (seed,
+    epoch, sample index) among the K stored ones."""
+    tid, index = _index(data)
+    shards = sorted(index["teachers"][tid]["shards"])
+    sizes = [index["teachers"][tid]["shards"][s]["count"] for s in shards]
+    offsets = np.cumsum([0] + sizes)
+    rows = []
+    for key, idx in zip(batch["keys"], batch["sample_index"].tolist()):
+        k = int(np.searchsorted(offsets, idx, side="right") - 1)
+        pos = idx - offsets[k]
+        a = 1 + random.Random(f"{seed}:{epoch}:{idx}:teacher-crop").randrange(K)
+        image = np.load(data / (shards[k] + teacher_files(tid)[0]))[pos, a]
+        crops = np.load(data / (shards[k] + CROPS))[pos]
+        rows.append((shards[k], pos, a, image, crops))
+    return rows
+
+
+def test_stream_replays_the_stored_crop_it_hands_the_rows_of(teacher_data, tmp_path):
+    from PIL import Image
+    import io
+
+    from mmpretrain.data.crop import Box
+    from mmpretrain.data.tar import read_tar
+
+    data = teacher_data["data"]
+    run = setup_run(data, tmp_path / "run", "train.steps=2", *DISTILL)
+    batch = next(iter(run.loader))
+    assert run.teacher_dims == [_index(data)[1]["teachers"][_index(data)[0]]["dim"]]
+    expected = _batch_rows(data, batch)
+    got = batch["teacher_image_embeddings"].numpy()
+    for j, (shard, pos, a, image, crops) in enumerate(expected[:6]):
+        np.testing.assert_array_equal(got[j], image.astype(np.float32))
+        raw = list(read_tar(str(data / shard)))[pos]
+        img = Image.open(io.BytesIO(raw["png"]))
+        want = run.loader.dataset.decoder.transform.apply(img, Box(*map(int, crops[a])))
+        assert torch.equal(batch["images"][j], want)  # exactly the stored crop, not a fresh one
+
+
+def test_distill_trains_and_resumes_bit_identically(teacher_data, tmp_path):
+    from safetensors.torch import load_file
+
+    data = teacher_data["data"]
+    run_dir = tmp_path / "run"
+    args = ["train.steps=4", "train.save_every=2", "train.keep_last=5", "train.log_every=1", *DISTILL]
+    r = train(data, run_dir, *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(x["distill_unweighted"]) for x in records if "distill_unweighted" in x)
+    final = run_dir / "checkpoints/step_00000004"
+    ref = load_file(next(final.glob("**/model.safetensors")))
+    shutil.rmtree(final)
+    r = train(data, run_dir, *args)
+    assert r.returncode == 0 and "resumed" in r.stderr, r.stderr[-3000:]
+    got = load_file(next((run_dir / "checkpoints/step_00000004").glob("**/model.safetensors")))
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_tampered_teacher_files_are_counted_skips(teacher_data, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(teacher_data["data"], data)
+    tid, index = _index(data)
+    names = sorted(index["teachers"][tid]["shards"])
+    # shard 0: rows of another shape; shard 1: every crop drawn for an image of another size
+    image = np.load(data / (names[0] + teacher_files(tid)[0]))
+    np.save(data / (names[0] + teacher_files(tid)[0]), image[:, :2])
+    crops = np.load(data / (names[1] + CROPS))
+    crops[:, 0, 2] += 1
+    np.save(data / (names[1] + CROPS), crops)
+    r = train(data, tmp_path / "run", "train.steps=26", "train.log_every=26", *DISTILL[:-1],  # one epoch
+              "data.mode=epoch", "loss=[{name: distill}]")
+    assert r.returncode == 0, r.stderr[-3000:]
+    skipped = json.loads((tmp_path / "run/log.jsonl").read_text().splitlines()[-1])["skipped"]
+    # every position of the epoch read once: 50 each, less those among the 5 spares the readers did not need
+    assert 45 <= skipped.get("missing_teacher", 0) <= 50 and 45 <= skipped.get("teacher_crop_mismatch", 0) <= 50, \
+        skipped
+    v = run_main("data_tools", "verify", str(data))
+    assert "bad_teacher_file" in v.stdout, v.stdout
+
+
+def test_distill_without_teacher_rows_or_with_other_augmentations_is_refused(openmoji, teacher_data, tmp_path):
+    r = train(openmoji / "train", tmp_path / "a", "train.steps=2", *DISTILL)
+    assert r.returncode == 2 and "--image-model" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    r = train(teacher_data["data"], tmp_path / "b", "train.steps=2", *DISTILL, "data.aug_cfg={color_jitter_prob: 0.5, "
+              "color_jitter: [0.4, 0.4, 0.4, 0.1]}")
+    assert r.returncode == 2 and "stored crops" in r.stderr, r.stderr[-2000:]
