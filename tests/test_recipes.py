@@ -23,7 +23,7 @@ CASES = [
     ("clip", {"local_loss": True, "chunk_size": 5}),
     ("sigmoid", {}), ("sigmoid", {"chunk_size": 5}), ("sigmoid", {"within_view_negatives": True}),
     ("soft_target", {}), ("soft_target", {"chunk_size": 5}), ("soft_target", {"space": "image_image"}),
-    ("cwcl", {}), ("global_clip", {}), ("align_uniform", {}), ("vrn", {}),
+    ("cwcl", {}), ("distill", {}), ("distill", {"chunk_size": 5}), ("global_clip", {}), ("align_uniform", {}), ("vrn", {}),
     ("regions", {"base": "clip", "scales": [2, 3], "bank_size": 24, "refresh_every": 1}),
     ("regions", {"base": "soft_target", "scales": [2], "bank_size": 24, "refresh_every": 1}),
 ]

@@ -15,7 +15,7 @@ from mmpretrain.data.crop import CropSampler
 from mmpretrain.data.decode import augmentation_seed
 from mmpretrain.data.teacher import CROPS, TEACHERS, teacher_files
 
-from conftest import SHORT, run_main, setup_run, train
+from conftest import run_main, setup_run, train
 
 K = 3
 # a teacher of the experiment grid's kind: the packaged ViT with a trainable open_clip text tower
@@ -64,8 +64,9 @@ def test_embed_writes_the_teachers_rows_of_the_stored_crops(teacher_data):
     from mmpretrain.data.tar import read_tar
 
     raw = next(iter(read_tar(str(data / name))))
-    from PIL import Image
     import io
+
+    from PIL import Image
 
     img = Image.open(io.BytesIO(raw["png"])).convert("RGB")
     assert keys[0] == raw["__key__"] and tuple(crops[0, 0]) == (0, 0, img.height, img.width)
@@ -120,7 +121,7 @@ def _batch_rows(data: Path, batch: dict, seed: int = 0, epoch: int = 0):
     sizes = [index["teachers"][tid]["shards"][s]["count"] for s in shards]
     offsets = np.cumsum([0] + sizes)
     rows = []
-    for key, idx in zip(batch["keys"], batch["sample_index"].tolist()):
+    for idx in batch["sample_index"].tolist():
         k = int(np.searchsorted(offsets, idx, side="right") - 1)
         pos = idx - offsets[k]
         a = 1 + random.Random(f"{seed}:{epoch}:{idx}:teacher-crop").randrange(K)
@@ -131,8 +132,9 @@ def _batch_rows(data: Path, batch: dict, seed: int = 0, epoch: int = 0):
 
 
 def test_stream_replays_the_stored_crop_it_hands_the_rows_of(teacher_data, tmp_path):
-    from PIL import Image
     import io
+
+    from PIL import Image
 
     from mmpretrain.data.crop import Box
     from mmpretrain.data.tar import read_tar

@@ -83,8 +83,11 @@ class DistillLoss(Objective):
 
     def _teacher_probs(self, rows: list[torch.Tensor], cols: list[torch.Tensor]) -> torch.Tensor:
         """The members' softmaxes averaged (not their rows concatenated)."""
-        probs = [F.softmax(self.teacher_scale * r @ c.T, dim=1) for r, c in zip(rows, cols)]
-        return probs[0] if len(probs) == 1 else torch.stack(probs).mean(0)
+        total = None
+        for r, c in zip(rows, cols):  # summed in place: one B x N matrix at a time, never M of them
+            p = F.softmax(self.teacher_scale * r @ c.T, dim=1)
+            total = p if total is None else total.add_(p)
+        return total if len(rows) == 1 else total.div_(len(rows))
 
     def _tiled(self, x, y, all_x, all_y, tu, tv, all_tu, all_tv, scale):
         scale = torch.as_tensor(scale, device=x.device)  # the tiled functions run in at least fp32

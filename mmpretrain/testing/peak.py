@@ -56,6 +56,9 @@ def traced_peak(objective, batch: int, world_size: int, steps: int = 3, seed: in
                 image_features=F.normalize(img, dim=-1), text_features=F.normalize(txt, dim=-1),
                 logit_scale=torch.tensor(10.0), logit_bias=torch.tensor(-10.0),
                 target_embeddings=torch.randn(batch, EMB, generator=gen),
+                # a two-teacher ensemble, each member EMB wide
+                teacher_image_embeddings=torch.randn(batch, 2 * EMB, generator=gen),
+                teacher_text_embeddings=torch.randn(batch, 2 * EMB, generator=gen), teacher_dims=[EMB, EMB],
                 labels=torch.randint(0, 4, (batch,), generator=gen), sample_index=torch.arange(batch) + step * batch,
                 step=step * 1000, epoch=step * 1000 + 1)
             with peak:

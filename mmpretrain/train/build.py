@@ -22,8 +22,8 @@ from mmpretrain.data.manifest import provenance_record
 from mmpretrain.data.plan import StreamPlan
 from mmpretrain.data.sidecar import attach_embeddings, check_extra_rows, recorded, stored_dim
 from mmpretrain.data.sources import Source, resolve_sources
-from mmpretrain.data.teacher import attach_teachers
 from mmpretrain.data.stream import StreamPosition, TrainStream, make_loader
+from mmpretrain.data.teacher import attach_teachers
 from mmpretrain.eval import Evaluator, load_task_data
 from mmpretrain.hub_cache import offline, require_model
 from mmpretrain.losses import WeightedObjective, build_objective

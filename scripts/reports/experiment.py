@@ -60,6 +60,20 @@ def regions(space: str, steps: int) -> list[dict]:
                                             "warmup_steps": min(REGION_WARMUP, steps // 5), "warmup_epochs": 0}}]
 
 
+# The distillation teacher (issue "teacher targets"): a larger tiny model trained TEACHER_STEPS x the
+# student's steps on the same training split only, then `data_tools embed --image-model` with K crops
+TEACHER_OVERRIDES = {"embed_dim": 96, "vision_cfg": {"width": 128, "layers": 4, "head_width": 32},
+                     "text_cfg": {"width": 96, "layers": 3, "heads": 3}}
+TEACHER_STEPS = 3
+TEACHER_CROPS = 10
+
+
+def distill(clip_weight: float) -> dict:
+    """clip (when weighted) + distill from the grid's teacher at its own learned logit scale."""
+    terms = [{"name": "clip", "weight": clip_weight}] if clip_weight else []
+    return {"loss": terms + [{"name": "distill", "weight": 1.0, "options": {"teacher_scale": "TEACHER_SCALE"}}]}
+
+
 VARIANTS = {
     "clip": lambda steps: {"loss": [{"name": "clip"}]},
     "sigmoid": lambda steps: {"loss": [{"name": "sigmoid"}]},
@@ -75,6 +89,11 @@ VARIANTS = {
     # FastCLIP-v3 (issue 24): its CC3M settings, gamma decaying over about half of a b64 grid's epochs
     "global_clip": lambda steps: {"loss": [{"name": "global_clip", "options": {
         "gamma": 0.2, "gamma_schedule": "cosine", "gamma_decay_epochs": 4, "rho": 6.5}}]},
+    "teacher": lambda steps: {"loss": [{"name": "clip"}], "model": {"arch": "mmpt-tiny-vit",
+                                                                    "overrides": TEACHER_OVERRIDES},
+                              "train": {"steps": TEACHER_STEPS * steps}},
+    "clip_distill": lambda steps: distill(1.0),
+    "distill": lambda steps: distill(0.0),
     "lit": lambda steps: {"loss": [{"name": "clip"}],
                           "model": {"arch": "mmpt-tiny-vit-minilm", "lock_text": True, "text_from_targets": True,
                                     "overrides": {k: v for k, v in MODEL_OVERRIDES.items() if k != "text_cfg"}}},
@@ -132,6 +151,10 @@ def cell_config(variant: str, seed: int, batch: int, args, data: Path, run: Path
     }
     for key, value in VARIANTS[variant](args.steps).items():
         cfg[key] = {**cfg[key], **value} if isinstance(value, dict) else value
+    for term in cfg.get("loss", []):  # the distill variants: the teacher's own scale, from its teachers.json
+        if term.get("options", {}).get("teacher_scale") == "TEACHER_SCALE":
+            block = next(iter(json.loads((data / "train" / "teachers.json").read_text())["teachers"].values()))
+            term["options"]["teacher_scale"] = block["logit_scale"]
     size = getattr(args, "input_size", INPUT_SIZE)
     if size != INPUT_SIZE:
         overrides = cfg["model"]["overrides"]
@@ -266,6 +289,23 @@ def write_json(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
+def ensure_teacher(results: dict, batch: int, args, data: Path, name: str, work: Path, path: Path, prior: float,
+                   t0: float) -> None:
+    """The grid's teacher trained (a cell of its own, so its held-out scores are tabled first) and the
+    training split embedded with it (teachers.json beside the shards), once."""
+    key = f"teacher|seed0|b{batch}"
+    if key not in results["cells"]:
+        print(f"== {key}", flush=True)
+        results["cells"][key] = train_cell("teacher", 0, batch, args, data, name, work)
+        results["wall_seconds"] = round(prior + time.time() - t0, 1)
+        write_json(path, results)
+    run = work / name / (f"teacher_s0_b{batch}" + ("" if args.steps == STEPS else f"_{args.steps}steps"))
+    index = data / "train" / "teachers.json"
+    if not index.is_file() or str(run) not in [t["model"] for t in json.loads(index.read_text())["teachers"].values()]:
+        run_cli("data_tools", "embed", str(data / "train"), "--image-model", str(run), "--augmentations",
+                str(TEACHER_CROPS), "--overwrite", log=work / name / "teacher_embed.log")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("variants", nargs="+", metavar="VARIANT")
@@ -313,6 +353,8 @@ def main() -> int:
                 if key in results["cells"]:
                     continue
                 print(f"== {key}", flush=True)
+                if variant in ("distill", "clip_distill"):
+                    ensure_teacher(results, batch, args, data, name, work, path, prior, t0)
                 results["cells"][key] = train_cell(variant, seed, batch, args, data, name, work)
                 results["wall_seconds"] = round(prior + time.time() - t0, 1)
                 write_json(path, results)
