@@ -83,7 +83,7 @@ class Teacher:
     def record(self) -> dict:
         scale = getattr(self.model, "logit_scale", None)  # its own (learned) scale: distill's teacher_scale option
         return {"model": self.spec, "pretrained": self.pretrained, "dim": self.dim, "image_size": list(self.size),
-                "logit_scale": round(float(scale.exp()), 4) if isinstance(scale, torch.Tensor) else None,
+                "logit_scale": round(float(scale.detach().exp()), 4) if isinstance(scale, torch.Tensor) else None,
                 "interpolation": self.interpolation, "mean": self.mean.flatten().tolist(),
                 "std": self.std.flatten().tolist(), "eval_view": "the model's evaluation transform (index 0)",
                 "crop_views": "crop (original pixels) resized to image_size, normalised (indices 1..K)"}

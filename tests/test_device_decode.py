@@ -20,7 +20,7 @@ from mmpretrain.data.device_decode import KEYS, DeviceDecoder, device_jpeg
 from mmpretrain.data.stream import collate
 from mmpretrain.testing.photos import make_jpegs
 
-from conftest import TEXT_MODEL, run_main, train
+from conftest import TEXT_MODEL, run_main, setup_run, train
 
 
 def _jpeg(img: Image.Image, **kw) -> bytes:
@@ -182,3 +182,35 @@ def test_device_decoding_refuses_an_augmentation_only_workers_run(openmoji_jpg, 
               "data.aug_cfg={color_jitter: [0.4, 0.4, 0.4, 0.1], color_jitter_prob: 0.8}")
     assert r.returncode == 2 and "data.decode=device" in r.stderr and "data.decode=worker" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_device_decoding_replays_the_teachers_stored_crops(openmoji_jpg, demo_run, tmp_path):
+    """data.decode=device with distill: the boxes handed to the device are the stored crops of the
+    epoch, the rows those crops' rows (the worker path's: tests/test_teacher.py)."""
+    import random
+
+    import numpy as np
+
+    from mmpretrain.data.teacher import CROPS, TEACHERS, teacher_files
+
+    data = tmp_path / "data"
+    shutil.copytree(openmoji_jpg / "train", data)
+    r = run_main("data_tools", "embed", str(data), "--image-model", str(demo_run), "--augmentations", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    run = setup_run(data, tmp_path / "run", "train.steps=2", "data.batch_size=16", "data.num_workers=0",
+                    "data.decode=device", "loss=[{name: clip}, {name: distill}]")
+    batch = next(iter(run.loader))
+    index = json.loads((data / TEACHERS).read_text())
+    (tid, block), = index["teachers"].items()
+    names = sorted(block["shards"])
+    offsets = np.cumsum([0] + [block["shards"][n]["count"] for n in names])
+    assert len(batch["jpeg_slots"]) == 16
+    for slot, box in zip(batch["jpeg_slots"].tolist(), batch["jpeg_boxes"].tolist()):
+        idx = int(batch["sample_index"][slot])
+        k = int(np.searchsorted(offsets, idx, side="right") - 1)
+        a = 1 + random.Random(f"0:0:{idx}:teacher-crop").randrange(2)
+        assert box == np.load(data / (names[k] + CROPS))[idx - offsets[k], a].tolist()
+        row = np.load(data / (names[k] + teacher_files(tid)[0]))[idx - offsets[k], a]
+        np.testing.assert_array_equal(batch["teacher_image_embeddings"][slot].numpy(), row.astype(np.float32))
+    run.device_decoder(batch)
+    assert batch["images"].float().std() > 0  # decoded in place

@@ -68,7 +68,8 @@ class DataConfig(_Strict):
         "data.weights, an epoch is data.num_samples samples")
     embeddings: str | None = Field(None, description="caption embedding folder(s) written by `data_tools embed "
                                    "--out`, one per '::' source of data.train in the same order (default: "
-                                   "beside each source's shards, when an embeddings.json is there)")
+                                   "beside each source's shards, when an embeddings.json is there); the teacher rows of "
+                                   "`embed --image-model` (teachers.json) are read from the same folder")
     weights: list[float] | None = Field(None, description="resampled mode: one sampling weight per '::' source")
     num_samples: int | None = Field(None, gt=0, description="resampled mode: samples per epoch (default: the "
                                     "dataset's size); epoch mode: leave unset, an epoch is the whole dataset")

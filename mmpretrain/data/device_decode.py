@@ -103,7 +103,8 @@ def jpeg_fields(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 
 
 # the per-sample fields a slot copies from another when its image cannot be decoded at all
-_ROW_FIELDS = ("tokens", "target_embeddings", "labels", "sample_index")
+_ROW_FIELDS = ("tokens", "target_embeddings", "labels", "sample_index", "teacher_image_embeddings",
+               "teacher_text_embeddings")
 _LIST_FIELDS = ("texts", "keys")
 
 

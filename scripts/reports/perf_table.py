@@ -33,9 +33,11 @@ WHAT = {
     "regions": "training step, region-weighted CLIP [5, 10, 20] / plain CLIP (tiny config, k-means every 20 steps)",
     "eval": "zero-shot images/s, `mmpretrain.eval` / clip_benchmark (5,000 MNIST digits)",
     "embed": "`data_tools embed` (sidecars) / raw `SentenceTransformer.encode`, sentences/s, 20,000 captions",
+    "teacher_embed": "`data_tools embed --image-model` / the teacher's bare `encode_image` + `encode_text` on the "
+                     "same views and captions, images/s (evidence grid's teacher, K = 10)",
     "train_global_clip": "training step, `global_clip` (FastCLIP-v3) / plain CLIP, seconds per step (tiny config)",
 }
-ORDER = ["train", "train_global_clip", "loader", "loader_photo", "loader_photo_limit", "loader_photo_device_cpu", "loss", "regions", "eval", "embed"]
+ORDER = ["train", "train_global_clip", "loader", "loader_photo", "loader_photo_limit", "loader_photo_device_cpu", "loss", "regions", "eval", "embed", "teacher_embed"]
 
 
 def fmt(x: float) -> str:
