@@ -114,6 +114,17 @@ CLAIMS = [
     ("soft targets (X-CLR) raise zero-shot accuracy in another drawing style", "clip_soft_1.0", "clip", "metrics",
      "cross_style/acc1", +1),
     ("CWCL raises zero-shot accuracy in another drawing style", "cwcl", "clip", "metrics", "cross_style/acc1", +1),
+    # distillation from a teacher trained here on the training split (its rows stored beside the shards)
+    ("distillation (clip + distill) raises held-out zero-shot accuracy over CLIP", "clip_distill", "clip", "metrics",
+     "heldout/acc1", +1),
+    ("distillation alone (DataCompDR's weights) raises held-out zero-shot accuracy over CLIP", "distill", "clip",
+     "metrics", "heldout/acc1", +1),
+    ("distillation (clip + distill) raises held-out retrieval over CLIP", "clip_distill", "clip", "metrics",
+     "retrieval/image_retrieval_recall@5", +1),
+    ("distillation (clip + distill) raises the held-out linear probe over CLIP", "clip_distill", "clip", "metrics",
+     "heldout/lp_acc1", +1),
+    ("distillation (clip + distill) raises zero-shot accuracy in another drawing style", "clip_distill", "clip",
+     "metrics", "cross_style/acc1", +1),
 ]
 
 
