@@ -55,8 +55,18 @@ class Teacher:
     def __init__(self, spec: str, pretrained: str | None, device: str):
         from torchvision import transforms as T
 
+        import open_clip
+
         from mmpretrain.models.load import load_model
 
+        arch = spec in open_clip.list_models() and not Path(spec).exists()
+        if arch and not pretrained:
+            raise EmbedError(f"--image-model {spec} is an open_clip architecture: give --pretrained TAG (e.g. "
+                             f"{', '.join(open_clip.list_pretrained_tags_by_model(spec)[:3]) or 'a tag'}); an "
+                             "untrained teacher would teach nothing")
+        if pretrained and not arch:
+            raise EmbedError(f"--pretrained {pretrained} goes with an open_clip architecture name; --image-model "
+                             f"{spec} names its own weights (a folder or hf-hub:)")
         try:
             self.model, self.preprocess, self.tokenizer = load_model(spec, device, pretrained)
         except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:

@@ -108,7 +108,9 @@ def test_embed_resumes_adds_a_second_teacher_and_refuses_other_crops(teacher_dat
     bad = run_main("data_tools", "embed", str(data), "--image-model", str(other), "--augmentations", "5")
     assert bad.returncode == 2 and "--overwrite" in bad.stderr and "K=3" in bad.stderr
     for args, words in ((["--image-model", str(tmp_path / "nope")], "--image-model"),
-                        ([], "--image-model"), (["--image-model", str(other), "--augmentations", "-1"], "-1")):
+                        ([], "--image-model"), (["--image-model", str(other), "--augmentations", "-1"], "-1"),
+                        (["--image-model", "ViT-B-32"], "--pretrained"),
+                        (["--image-model", str(other), "--pretrained", "openai"], "--pretrained")):
         r = run_main("data_tools", "embed", str(data), *args)
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
 
