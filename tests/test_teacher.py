@@ -202,3 +202,39 @@ def test_distill_without_teacher_rows_or_with_other_augmentations_is_refused(ope
     r = train(teacher_data["data"], tmp_path / "b", "train.steps=2", *DISTILL, "data.aug_cfg={color_jitter_prob: 0.5, "
               "color_jitter: [0.4, 0.4, 0.4, 0.1]}")
     assert r.returncode == 2 and "stored crops" in r.stderr, r.stderr[-2000:]
+
+
+def test_the_teacher_row_is_the_drawn_captions_row():
+    """With extra captions the decoder hands the teacher's row of the caption it drew this epoch (the
+    same draw as the caption itself), and of the crop it replays."""
+    import io
+
+    from PIL import Image
+
+    from mmpretrain.data.crop import ResizedCrop
+    from mmpretrain.data.decode import SampleDecoder, draw_caption
+    from mmpretrain.data.teacher import TeacherRows
+
+    png = io.BytesIO()
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(png, format="PNG")
+    extra = ["second caption", "third caption"]
+    rows = TeacherRows(crops=np.array([[0, 0, 30, 40], [1, 2, 20, 30], [0, 0, 30, 40]], dtype=np.int32),
+                       image=np.arange(3 * 4, dtype=np.float16).reshape(3, 4),
+                       text=np.full(4, 7, dtype=np.float16), extra=np.array([[8] * 4, [9] * 4], dtype=np.float16))
+    dec = SampleDecoder(ResizedCrop(16), embeddings="ignore", teacher=True)
+    seen = set()
+    for epoch in range(12):
+        raw = {"__key__": "k", "__index__": 5, "png": png.getvalue(), "txt": b"first caption",
+               "json": json.dumps({"captions": extra}).encode(), "__teacher__": rows}
+        item = dec(raw, 0, epoch)
+        pick = draw_caption(3, None, 0, epoch, "k")
+        assert item["text"] == (["first caption"] + extra)[pick]
+        assert float(item["teacher_text"][0]) == [7, 8, 9][pick]
+        a = 1 + random.Random(f"0:{epoch}:5:teacher-crop").randrange(2)
+        assert item["teacher_image"].tolist() == rows.image[a].astype(np.float32).tolist()
+        seen.add((pick, a))
+    assert len(seen) > 2  # both draws vary over epochs
+    raw["__teacher__"] = rows._replace(extra=rows.extra[:1])  # embedded before the third caption was added
+    with pytest.raises(Exception, match="missing_teacher"):
+        for epoch in range(12):
+            dec(dict(raw), 0, epoch)
