@@ -53,9 +53,8 @@ class Teacher:
     crop resized to its input with its interpolation, then its normalisation) and both encoders."""
 
     def __init__(self, spec: str, pretrained: str | None, device: str):
-        from torchvision import transforms as T
-
         import open_clip
+        from torchvision import transforms as T
 
         from mmpretrain.models.load import load_model
 

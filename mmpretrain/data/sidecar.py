@@ -70,17 +70,21 @@ def join(folder: str, name: str) -> str:
     return str(Path(folder) / name) if is_local(folder) else posixpath.join(folder, name)
 
 
-def read_index(emb_dir: str) -> dict[str, Any] | None:
-    """``embeddings.json`` of ``emb_dir``, or None when there is none (or it is not a JSON object)."""
-    url = join(emb_dir, INDEX)
+def read_folder_json(emb_dir: str, name: str) -> Any:
+    """The JSON file ``name`` of the (local or fsspec) folder ``emb_dir``; None when unreadable."""
+    url = join(emb_dir, name)
     try:
         if is_local(emb_dir):
-            data = json.loads(Path(url).read_text())
-        else:
-            with open_url(url) as f:
-                data = json.loads(f.read())
+            return json.loads(Path(url).read_text())
+        with open_url(url) as f:
+            return json.loads(f.read())
     except (OSError, ValueError):
         return None
+
+
+def read_index(emb_dir: str) -> dict[str, Any] | None:
+    """``embeddings.json`` of ``emb_dir``, or None when there is none (or it is not a JSON object)."""
+    data = read_folder_json(emb_dir, INDEX)
     return data if isinstance(data, dict) and isinstance(data.get("shards"), dict) else None
 
 

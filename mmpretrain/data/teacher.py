@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import logging
 import os
 import posixpath
@@ -44,8 +43,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from mmpretrain.data.sidecar import join, shard_bytes
-from mmpretrain.data.urls import is_local, open_url, shard_path
+from mmpretrain.data.sidecar import join, read_folder_json, shard_bytes
+from mmpretrain.data.urls import open_url, shard_path
 
 log = logging.getLogger("mmpretrain.data")
 
@@ -71,15 +70,7 @@ def teacher_id(model: str, pretrained: str | None = None) -> str:
 
 def read_teachers(emb_dir: str) -> dict[str, Any] | None:
     """``teachers.json`` of ``emb_dir``, or None when there is none readable."""
-    url = join(emb_dir, TEACHERS)
-    try:
-        if is_local(emb_dir):
-            data = json.loads(Path(url).read_text())
-        else:
-            with open_url(url) as f:
-                data = json.loads(f.read())
-    except (OSError, ValueError):
-        return None
+    data = read_folder_json(emb_dir, TEACHERS)
     ok = isinstance(data, dict) and isinstance(data.get("teachers"), dict) and isinstance(data.get("augmentations"), dict)
     return data if ok else None
 
