@@ -125,6 +125,17 @@ CLAIMS = [
      "heldout/lp_acc1", +1),
     ("distillation (clip + distill) raises zero-shot accuracy in another drawing style", "clip_distill", "clip",
      "metrics", "cross_style/acc1", +1),
+    # the LiT cell as the teacher (3x CLIP's zero-shot): a teacher with something to teach
+    ("distillation from the LiT teacher (clip + distill) raises held-out zero-shot accuracy over CLIP",
+     "clip_distill_lit", "clip", "metrics", "heldout/acc1", +1),
+    ("distillation alone from the LiT teacher raises held-out zero-shot accuracy over CLIP", "distill_lit", "clip",
+     "metrics", "heldout/acc1", +1),
+    ("distillation from the LiT teacher (clip + distill) raises held-out retrieval over CLIP", "clip_distill_lit",
+     "clip", "metrics", "retrieval/image_retrieval_recall@5", +1),
+    ("distillation alone from the LiT teacher raises held-out retrieval over CLIP", "distill_lit", "clip", "metrics",
+     "retrieval/image_retrieval_recall@5", +1),
+    ("distillation alone from the LiT teacher raises zero-shot accuracy in another drawing style", "distill_lit",
+     "clip", "metrics", "cross_style/acc1", +1),
 ]
 
 

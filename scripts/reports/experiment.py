@@ -68,10 +68,15 @@ TEACHER_STEPS = 3
 TEACHER_CROPS = 10
 
 
-def distill(clip_weight: float) -> dict:
-    """clip (when weighted) + distill from the grid's teacher at its own learned logit scale."""
+# each teacher: the grid cell that trains it, and where its rows go (None: beside the training shards)
+TEACHER_CELLS = {"teacher": ("teacher", None), "lit": ("lit", "teacher_lit")}
+
+
+def distill(clip_weight: float, teacher: str = "teacher") -> dict:
+    """clip (when weighted) + distill from one of the grid's teachers at its own learned logit scale."""
     terms = [{"name": "clip", "weight": clip_weight}] if clip_weight else []
-    return {"loss": terms + [{"name": "distill", "weight": 1.0, "options": {"teacher_scale": "TEACHER_SCALE"}}]}
+    return {"loss": terms + [{"name": "distill", "weight": 1.0, "options": {"teacher_scale": "TEACHER_SCALE"}}],
+            "teacher": teacher}
 
 
 VARIANTS = {
@@ -94,6 +99,9 @@ VARIANTS = {
                               "train": {"steps": TEACHER_STEPS * steps}},
     "clip_distill": lambda steps: distill(1.0),
     "distill": lambda steps: distill(0.0),
+    # the LiT cell (frozen MiniLM text tower, seed 0, trained on the same split) as the teacher: 3x CLIP's zero-shot
+    "clip_distill_lit": lambda steps: distill(1.0, "lit"),
+    "distill_lit": lambda steps: distill(0.0, "lit"),
     "lit": lambda steps: {"loss": [{"name": "clip"}],
                           "model": {"arch": "mmpt-tiny-vit-minilm", "lock_text": True, "text_from_targets": True,
                                     "overrides": {k: v for k, v in MODEL_OVERRIDES.items() if k != "text_cfg"}}},
@@ -149,12 +157,19 @@ def cell_config(variant: str, seed: int, batch: int, args, data: Path, run: Path
         "eval": {"every": args.eval_every, "datasets": [str(data)], "tasks": ["zeroshot_classification"],
                  "num_workers": 1},
     }
-    for key, value in VARIANTS[variant](args.steps).items():
+    spec = dict(VARIANTS[variant](args.steps))
+    teacher = spec.pop("teacher", None)
+    for key, value in spec.items():
         cfg[key] = {**cfg[key], **value} if isinstance(value, dict) else value
-    for term in cfg.get("loss", []):  # the distill variants: the teacher's own scale, from its teachers.json
-        if term.get("options", {}).get("teacher_scale") == "TEACHER_SCALE":
-            block = next(iter(json.loads((data / "train" / "teachers.json").read_text())["teachers"].values()))
-            term["options"]["teacher_scale"] = block["logit_scale"]
+    if teacher is not None:  # the distill variants: the teacher's rows, at its own scale (its teachers.json)
+        folder = teacher_folder(data, teacher)
+        if folder != data / "train":  # its own folder: the caption rows are not needed (no term uses them)
+            cfg["data"]["embeddings"] = str(folder)
+            cfg["targets"]["source"] = "auto"
+        block = next(iter(json.loads((folder / "teachers.json").read_text())["teachers"].values()))
+        for term in cfg["loss"]:
+            if term.get("options", {}).get("teacher_scale") == "TEACHER_SCALE":
+                term["options"]["teacher_scale"] = block["logit_scale"]
     size = getattr(args, "input_size", INPUT_SIZE)
     if size != INPUT_SIZE:
         overrides = cfg["model"]["overrides"]
@@ -289,21 +304,29 @@ def write_json(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
-def ensure_teacher(results: dict, batch: int, args, data: Path, name: str, work: Path, path: Path, prior: float,
-                   t0: float) -> None:
-    """The grid's teacher trained (a cell of its own, so its held-out scores are tabled first) and the
-    training split embedded with it (teachers.json beside the shards), once."""
-    key = f"teacher|seed0|b{batch}"
+def teacher_folder(data: Path, teacher: str) -> Path:
+    sub = TEACHER_CELLS[teacher][1]
+    return data / "train" if sub is None else data / sub
+
+
+def ensure_teacher(teacher: str, results: dict, batch: int, args, data: Path, name: str, work: Path, path: Path,
+                   prior: float, t0: float) -> None:
+    """The teacher's cell trained (a cell of its own, so its held-out scores are tabled first) and the
+    training split embedded with it (teachers.json in its folder), once."""
+    cell = TEACHER_CELLS[teacher][0]
+    key = f"{cell}|seed0|b{batch}"
     if key not in results["cells"]:
         print(f"== {key}", flush=True)
-        results["cells"][key] = train_cell("teacher", 0, batch, args, data, name, work)
+        results["cells"][key] = train_cell(cell, 0, batch, args, data, name, work)
         results["wall_seconds"] = round(prior + time.time() - t0, 1)
         write_json(path, results)
-    run = work / name / (f"teacher_s0_b{batch}" + ("" if args.steps == STEPS else f"_{args.steps}steps"))
-    index = data / "train" / "teachers.json"
+    run = work / name / (f"{cell}_s0_b{batch}" + ("" if args.steps == STEPS else f"_{args.steps}steps"))
+    folder = teacher_folder(data, teacher)
+    index = folder / "teachers.json"
     if not index.is_file() or str(run) not in [t["model"] for t in json.loads(index.read_text())["teachers"].values()]:
+        out = [] if folder == data / "train" else ["--out", str(folder)]
         run_cli("data_tools", "embed", str(data / "train"), "--image-model", str(run), "--augmentations",
-                str(TEACHER_CROPS), "--overwrite", log=work / name / "teacher_embed.log")
+                str(TEACHER_CROPS), "--overwrite", *out, log=work / name / f"{teacher}_embed.log")
 
 
 def main() -> int:
@@ -353,8 +376,9 @@ def main() -> int:
                 if key in results["cells"]:
                     continue
                 print(f"== {key}", flush=True)
-                if variant in ("distill", "clip_distill"):
-                    ensure_teacher(results, batch, args, data, name, work, path, prior, t0)
+                teacher = VARIANTS[variant](args.steps).get("teacher")
+                if teacher is not None:
+                    ensure_teacher(teacher, results, batch, args, data, name, work, path, prior, t0)
                 results["cells"][key] = train_cell(variant, seed, batch, args, data, name, work)
                 results["wall_seconds"] = round(prior + time.time() - t0, 1)
                 write_json(path, results)
