@@ -86,6 +86,11 @@ class Teacher:
                                 draft=False)
         self.mean = torch.tensor(norm.mean, dtype=torch.float32).reshape(3, 1, 1)
         self.std = torch.tensor(norm.std, dtype=torch.float32).reshape(3, 1, 1)
+        # the evaluation transform up to its to-tensor + Normalize, on PIL (uint8, normalised batch-wise
+        # like the crops: the same operations as ToTensor and Normalize); else the whole transform per image
+        tail = [type(x).__name__ for x in steps[-2:]]
+        self.eval_pil = T.Compose(steps[:-2]) if tail in (["ToTensor", "Normalize"], ["MaybeToTensor", "Normalize"]) \
+            else None
         with torch.no_grad():
             self.dim = int(self.image(torch.zeros(1, 3, *self.size)).shape[1])
 
@@ -97,13 +102,33 @@ class Teacher:
                 "std": self.std.flatten().tolist(), "eval_view": "the model's evaluation transform (index 0)",
                 "crop_views": "crop (original pixels) resized to image_size, normalised (indices 1..K)"}
 
+    def uint8_views(self, img: Image.Image, boxes) -> torch.Tensor | None:
+        """``(1 + K, H, W, 3)`` uint8: the evaluation view, then each box's crop (None when the evaluation
+        transform is not PIL steps + to-tensor + Normalize)."""
+        if self.eval_pil is None:
+            return None
+        first = np.asarray(self.eval_pil(img))
+        if first.shape != (*self.size, 3):
+            return None
+        out = np.empty((1 + len(boxes), *self.size, 3), dtype=np.uint8)
+        out[0] = first
+        size = (self.size[1], self.size[0])  # Pillow's (width, height)
+        for j, (top, left, h, w) in enumerate(boxes):  # Pillow's resize of the box: no intermediate crop image
+            out[1 + j] = np.asarray(img.resize(size, self.crop.interpolation, box=(left, top, left + w, top + h)))
+        return torch.from_numpy(out)
+
+    def normalize(self, u8: torch.Tensor) -> torch.Tensor:
+        """uint8 ``(N, H, W, 3)`` views -> the teacher's input ``(N, 3, H, W)``, in one pass over the batch."""
+        return u8.permute(0, 3, 1, 2).float().div_(255).sub_(self.mean).div_(self.std)
+
     def views(self, img: Image.Image, boxes) -> torch.Tensor:
         """``(1 + K, 3, H, W)``: the evaluation view, then each box's crop."""
-        out = [self.preprocess(img)]
-        for box in boxes:
-            x = self.crop.resize(img, box, 1).permute(2, 0, 1).float().div_(255)
-            out.append(x.sub_(self.mean).div_(self.std))
-        return torch.stack(out)
+        u8 = self.uint8_views(img, boxes)
+        if u8 is not None:
+            return self.normalize(u8)
+        crops = self.normalize(torch.stack([self.crop.resize(img, box, 1) for box in boxes])) if boxes else None
+        first = self.preprocess(img)[None]
+        return first if crops is None else torch.cat([first, crops])
 
     @torch.no_grad()
     def image(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,8 +186,12 @@ def embed_shard(teacher: Teacher, url: str, expected: int, emb_dir: Path, aug: d
     todo = [i for i, s in enumerate(samples) if s[0] is not None]
     chunks = [todo[i:i + per] for i in range(0, len(todo), per)]
 
-    def make(chunk):
-        return torch.cat([teacher.views(samples[i][0], [tuple(b) for b in samples[i][1][1:]]) for i in chunk])
+    def make(chunk):  # uint8 views stacked, then normalised once for the chunk
+        boxes = [[tuple(b) for b in samples[i][1][1:]] for i in chunk]
+        u8 = [teacher.uint8_views(samples[i][0], b) for i, b in zip(chunk, boxes)]
+        if any(u is None for u in u8):
+            return torch.cat([teacher.views(samples[i][0], b) for i, b in zip(chunk, boxes)])
+        return teacher.normalize(torch.cat(u8))
 
     pending = pool.submit(make, chunks[0]) if chunks else None
     for c, chunk in enumerate(chunks):

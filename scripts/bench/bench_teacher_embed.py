@@ -34,6 +34,7 @@ def main() -> int:
     p.add_argument("--augmentations", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--workers", type=int, default=2, help="embed's decode and crop threads")
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     for path in (args.teacher, args.data):
@@ -72,7 +73,7 @@ def main() -> int:
     def ours() -> float:
         with tempfile.TemporaryDirectory() as out:
             t0 = time.perf_counter()
-            res = embed_teachers(args.data, [args.teacher], augmentations=k, out=out, overwrite=True,
+            res = embed_teachers(args.data, [args.teacher], augmentations=k, out=out, overwrite=True, workers=args.workers,
                                  batch_size=args.batch_size, device="cpu")
             dt = time.perf_counter() - t0
         assert sum(r["images"] for r in res) == n_images
