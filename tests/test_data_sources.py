@@ -185,8 +185,9 @@ def test_interrupted_build_resumes_to_the_same_shards(tmp_path, emoji_images, mo
         build(str(tsv), out, image_size=64, shard_size=150, workers=1)
 
 
-def test_build_and_embed_on_two_ranks(tmp_path, emoji_images):
-    """Under accelerate launch each rank takes a disjoint part; the result equals one process's."""
+def test_build_and_embed_on_two_ranks(tmp_path, emoji_images, demo_run):
+    """Under accelerate launch each rank takes a disjoint part; the result equals one process's (caption
+    rows, and a teacher's crops and rows: ``--image-model``, the demo's trained model)."""
     import subprocess
     import sys
 
@@ -197,7 +198,7 @@ def test_build_and_embed_on_two_ranks(tmp_path, emoji_images):
               str(ROOT / "configs/accelerate/cpu-2proc.yaml"), "-m", "data_tools"]
     out = tmp_path / "ranks"
     for args in (["build", str(tsv), "--out", str(out), "--image-size", "32", "--shard-size", "200", "--workers", "1"],
-                 ["embed", str(out), "--model", TEXT_MODEL]):
+                 ["embed", str(out), "--model", TEXT_MODEL, "--image-model", str(demo_run), "--augmentations", "2"]):
         r = subprocess.run(launch + args, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[:4000] + "\n...\n" + r.stderr[-1500:]
     single = tmp_path / "single"
@@ -220,6 +221,18 @@ def test_build_and_embed_on_two_ranks(tmp_path, emoji_images):
         assert Path(f"{a}.keys.txt").read_text() == Path(f"{b}.keys.txt").read_text()
         np.testing.assert_allclose(np.load(f"{a}.emb.npy").astype(np.float32),
                                    np.load(f"{b}.emb.npy").astype(np.float32), atol=2e-3)
+    from data_tools.embed_teacher import embed_teachers
+    from mmpretrain.data.teacher import CROPS, teacher_files
+
+    embed_teachers(single, [str(demo_run)], augmentations=2)
+    ranks, one = (json.loads((d / "teachers.json").read_text()) for d in (out, single))
+    (tid, block), = ranks["teachers"].items()
+    assert ranks["augmentations"] == one["augmentations"] and len(block["shards"]) == 5
+    assert sum(r["count"] for r in block["shards"].values()) == 950
+    for a, b in pairs:
+        assert np.array_equal(np.load(f"{a}{CROPS}"), np.load(f"{b}{CROPS}"))
+        np.testing.assert_allclose(np.load(f"{a}{teacher_files(tid)[0]}").astype(np.float32),
+                                   np.load(f"{b}{teacher_files(tid)[0]}").astype(np.float32), atol=2e-3)
 
 
 def test_a_caption_list_column_becomes_the_samples_extra_captions(tmp_path, emoji_images):
