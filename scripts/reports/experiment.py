@@ -200,9 +200,14 @@ def final_eval(run: Path, data: Path, name: str, tasks: list[str]) -> dict[str, 
     return metrics
 
 
+def cell_dir(work: Path, name: str, variant: str, seed: int, batch: int, steps: int) -> Path:
+    """A cell's run folder: a grid of another length gets its own folders beside the default grid's (and
+    reuses its built data)."""
+    return work / name / (f"{variant}_s{seed}_b{batch}" + ("" if steps == STEPS else f"_{steps}steps"))
+
+
 def train_cell(variant: str, seed: int, batch: int, args, data: Path, name: str, work: Path) -> dict:
-    # a grid of another length gets its own folders beside the default grid's (and reuses its built data)
-    run = work / name / (f"{variant}_s{seed}_b{batch}" + ("" if args.steps == STEPS else f"_{args.steps}steps"))
+    run = cell_dir(work, name, variant, seed, batch, args.steps)
     spec = run.parent / f"{run.name}.yaml"
     config = cell_config(variant, seed, batch, args, data, run)
     if run.exists():  # unfinished (finished cells are in the JSON): start it again -- if this script made it
@@ -320,7 +325,7 @@ def ensure_teacher(teacher: str, results: dict, batch: int, args, data: Path, na
         results["cells"][key] = train_cell(cell, 0, batch, args, data, name, work)
         results["wall_seconds"] = round(prior + time.time() - t0, 1)
         write_json(path, results)
-    run = work / name / (f"{cell}_s0_b{batch}" + ("" if args.steps == STEPS else f"_{args.steps}steps"))
+    run = cell_dir(work, name, cell, 0, batch, args.steps)
     folder = teacher_folder(data, teacher)
     index = folder / "teachers.json"
     if not index.is_file() or str(run) not in [t["model"] for t in json.loads(index.read_text())["teachers"].values()]:
