@@ -115,6 +115,25 @@ def test_embed_resumes_adds_a_second_teacher_and_refuses_other_crops(teacher_dat
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_embed_into_an_out_folder_keeps_the_users_files(teacher_data, tmp_path):
+    """--out into a folder that holds a user's file: it stays; a teachers.json embed did not write is
+    refused and left as it is."""
+    out = tmp_path / "emb"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    r = run_main("data_tools", "embed", str(teacher_data["data"]), "--image-model", str(teacher_data["teacher"]),
+                 "--augmentations", "1", "--out", str(out))
+    assert r.returncode == 0 and (out / "notes.txt").read_text() == "mine" and (out / TEACHERS).is_file()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / TEACHERS).write_text('{"someone": "else"}')
+    r = run_main("data_tools", "embed", str(teacher_data["data"]), "--image-model", str(teacher_data["teacher"]),
+                 "--out", str(foreign))
+    assert r.returncode == 2 and "not an index embed wrote" in r.stderr
+    assert (foreign / TEACHERS).read_text() == '{"someone": "else"}' and sorted(p.name for p in foreign.iterdir()) == [
+        TEACHERS]
+
+
 def _batch_rows(data: Path, batch: dict, seed: int = 0, epoch: int = 0):
     """The stored rows and crop a batch's samples should carry: per sample, the crop drawn by (seed,
     epoch, sample index) among the K stored ones."""
