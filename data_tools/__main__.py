@@ -1,4 +1,4 @@
-"""``python -m data_tools {build,embed,verify,stats}``. Exit codes: 0 ok, 1 the work failed, 2 bad arguments."""
+"""``python -m data_tools {build,embed,filter,verify,stats}``. Exit codes: 0 ok, 1 the work failed, 2 bad arguments."""
 
 from __future__ import annotations
 
@@ -67,6 +67,42 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=int, default=256)
     e.add_argument("--device", default=None, help="cpu, cuda, ... (default: best available)")
 
+    f = sub.add_parser("filter", help="a keep-list of the samples to train on (data.keep), from rules that compose; "
+                       "no shard is rewritten")
+    f.add_argument("dir", help="dataset folder (with sizes.json)")
+    f.add_argument("--out", default=None, help="keep-list folder to write (default: DIR/keep)")
+    f.add_argument("--embeddings", default=None, help="folder of the stored rows (embed --out); default: beside the shards")
+    f.add_argument("--overwrite", action="store_true", help="replace the keep-list --out holds (only its own files)")
+    f.add_argument("--seed", type=int, default=0, help="seed of k-means and of the balancing draws")
+    f.add_argument("--uids", default=None, metavar="NPY", help="keep only the samples a DataComp UID list (.npy) names "
+                   "(matched on each sample's json uid, else its key)")
+    f.add_argument("--basic", action="store_true", help="DataComp's basic filter: image short side >= 200 px, aspect "
+                   "ratio < 3, caption of 3 or more words and 6 or more characters")
+    f.add_argument("--language", default=None, metavar="LANG", help="keep captions langid detects as LANG (e.g. en)")
+    f.add_argument("--decontaminate", nargs="+", default=None, metavar="EVAL_DIR",
+                   help="remove training images near any image of these evaluation dataset folders (embedded with "
+                   "the same --image-model teacher)")
+    f.add_argument("--decontaminate-threshold", type=float, default=0.95, metavar="COS",
+                   help="cosine above which a training image is a copy of an evaluation image (default 0.95)")
+    f.add_argument("--dedup", choices=["image", "caption"], default=None,
+                   help="SemDeDup on the teacher's image rows or the caption model's rows")
+    f.add_argument("--threshold", type=float, default=0.95, metavar="COS",
+                   help="--dedup: a sample goes when an earlier member of its cluster is above this cosine (0.95)")
+    f.add_argument("--clusters", type=int, default=None, metavar="K",
+                   help="k-means clusters of --dedup (default n/1000) and --balance cluster (default sqrt(n))")
+    f.add_argument("--score", choices=["teacher"], default=None,
+                   help="score each pair by the stored teacher's image-caption cosine; with --keep-top / --min-score")
+    f.add_argument("--keep-top", type=float, default=None, metavar="FRACTION", help="--score: keep this best fraction")
+    f.add_argument("--min-score", type=float, default=None, metavar="S", help="--score: keep scores >= S")
+    f.add_argument("--score-caption", choices=["first", "best"], default="first",
+                   help="--score: caption 0's cosine (default), or the best of the sample's captions")
+    f.add_argument("--teacher", default=None, help="which stored teacher (model or id) scores (default: the first)")
+    f.add_argument("--balance", choices=["subgroup", "cluster", "entries"], default=None,
+                   help="MetaCLIP-style: at most about --cap samples per subgroup (json 'subgroup'), k-means cluster "
+                   "of the teacher's image rows, or metadata entry matched in the caption (--entries)")
+    f.add_argument("--cap", type=int, default=None, metavar="N", help="--balance: samples kept per entry")
+    f.add_argument("--entries", default=None, metavar="FILE", help="--balance entries: one entry a line")
+
     v = sub.add_parser("verify", help="read every sample back and check it against sizes.json and the manifest")
     v.add_argument("dir")
     v.add_argument("--embeddings", default=None, help="embedding folder (embed --out); default: beside the shards")
@@ -77,7 +113,40 @@ def _parser() -> argparse.ArgumentParser:
                        "write DIR/stats.png")
     s.add_argument("dir")
     s.add_argument("--embeddings", default=None, help="embedding folder (embed --out); default: beside the shards")
+    s.add_argument("--keep", default=None, metavar="LIST", help="a keep-list (filter --out): its kept and removed counts "
+                   "per rule and shard")
     return p
+
+
+def _filter(args) -> int:
+    from data_tools.filter import FilterError, filter_dataset
+
+    if args.score and args.keep_top is None and args.min_score is None:
+        raise FilterError("--score teacher needs --keep-top FRACTION or --min-score S")
+    if (args.keep_top is not None or args.min_score is not None) and not args.score:
+        raise FilterError("--keep-top / --min-score need --score teacher")
+    if args.keep_top is not None and not 0 < args.keep_top <= 1:
+        raise FilterError(f"--keep-top {args.keep_top}: give a fraction in (0, 1]")
+    if args.balance and (args.cap is None or args.cap < 1):
+        raise FilterError("--balance needs --cap N (N >= 1 samples per entry)")
+    if (args.balance == "entries") != bool(args.entries):
+        raise FilterError("--balance entries and --entries FILE go together")
+    for name in ("uids", "entries"):
+        path = getattr(args, name)
+        if path and not os.path.isfile(path):
+            raise FilterError(f"--{name} {path}: no such file")
+    if args.clusters is not None and args.clusters < 1:
+        raise FilterError("--clusters must be 1 or more")
+    if not -1 <= args.threshold <= 1 or not -1 <= args.decontaminate_threshold <= 1:
+        raise FilterError("--threshold and --decontaminate-threshold are cosines, in [-1, 1]")
+    index = filter_dataset(args.dir, args.out, overwrite=args.overwrite, embeddings=args.embeddings,
+                           teacher=args.teacher, uids=args.uids, basic=args.basic, language=args.language,
+                           decontaminate=args.decontaminate, decontaminate_threshold=args.decontaminate_threshold,
+                           dedup=args.dedup, threshold=args.threshold, clusters=args.clusters, score=args.score,
+                           keep_top=args.keep_top, min_score=args.min_score, score_caption=args.score_caption,
+                           balance=args.balance, cap=args.cap, entries=args.entries, seed=args.seed)
+    print(json.dumps({k: v for k, v in index.items() if k not in ("shards", "files")}, indent=2))
+    return 0
 
 
 def _run(args) -> int:
@@ -115,6 +184,8 @@ def _run(args) -> int:
                                              scale=args.crop_scale, ratio=args.crop_ratio)
         print(json.dumps(out["captions"] if list(out) == ["captions"] else out, indent=2))
         return 0
+    if args.cmd == "filter":
+        return _filter(args)
     if args.cmd == "verify":
         from data_tools.inspect import FATAL, verify
 
@@ -130,7 +201,7 @@ def _run(args) -> int:
         return 1 if failed else 0
     from data_tools.inspect import stats
 
-    print(json.dumps(stats(args.dir, args.embeddings), indent=2))
+    print(json.dumps(stats(args.dir, args.embeddings, keep=args.keep), indent=2))
     return 0
 
 
@@ -138,10 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from data_tools.build import BuildError
     from data_tools.embed import EmbedError
+    from data_tools.filter import FilterError
 
     try:
         return _run(args)
-    except (BuildError, EmbedError) as e:  # raised before any work: bad arguments
+    except (BuildError, EmbedError, FilterError) as e:  # raised before any work: bad arguments
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (FileNotFoundError, ValueError) as e:  # a dataset folder that is not one (a malformed sizes.json, ...)

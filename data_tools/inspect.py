@@ -203,6 +203,28 @@ def _plot(folder: Path, words: list[int], widths: list[int], heights: list[int])
     return path
 
 
-def stats(path: str | Path, embeddings: str | Path | None = None) -> list[dict]:
+def keep_stats(folder: Path, keep: str) -> dict | None:
+    """A keep-list's counts for the dataset folder it was made for (None for another folder)."""
+    from mmpretrain.data.keep import read_list
+
+    index = read_list(keep)
+    sizes = read_sizes(folder)
+    if not set(index["shards"]) <= set(sizes):
+        return None
+    return {"list": str(keep), "kept": index["kept"], "total": index["total"], "removed": index["removed"],
+            "rules": [{k: r.get(k) for k in ("rule", "reached", "removed")} for r in index["rules"]],
+            "kept_per_shard": {n: r["kept"] for n, r in sorted(index["shards"].items())}}
+
+
+def stats(path: str | Path, embeddings: str | Path | None = None, keep: str | None = None) -> list[dict]:
     folders = dataset_folders(path)
-    return [stats_folder(f, emb_dir=e) for f, e in zip(folders, embedding_folders(folders, embeddings))]
+    out = [stats_folder(f, emb_dir=e) for f, e in zip(folders, embedding_folders(folders, embeddings))]
+    if keep:
+        matched = [(o, keep_stats(f, keep)) for o, f in zip(out, folders)]
+        if not any(k for _, k in matched):
+            raise ValueError(f"--keep {keep}: the keep-list names shards none of {[str(f) for f in folders]} has; give "
+                             "the list made for this data")
+        for o, k in matched:
+            if k:
+                o["keep"] = k
+    return out

@@ -70,6 +70,9 @@ class DataConfig(_Strict):
                                    "--out`, one per '::' source of data.train in the same order (default: "
                                    "beside each source's shards, when an embeddings.json is there); the teacher rows of "
                                    "`embed --image-model` (teachers.json) are read from the same folder")
+    keep: str | None = Field(None, description="keep-list folder(s) written by `data_tools filter`, one per '::' "
+                             "source of data.train (an empty part keeps all of that source): only the listed samples "
+                             "are read, an epoch is the kept count, sample indices stay the shards' (docs/usage.md)")
     weights: list[float] | None = Field(None, description="resampled mode: one sampling weight per '::' source")
     num_samples: int | None = Field(None, gt=0, description="resampled mode: samples per epoch (default: the "
                                     "dataset's size); epoch mode: leave unset, an epoch is the whole dataset")

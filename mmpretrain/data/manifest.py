@@ -66,10 +66,12 @@ def shard_paths(folder: str | Path) -> list[Path]:
     return paths
 
 
-def provenance_record(spec: str, manifest: dict[str, Any], samples: int) -> dict[str, Any]:
+def provenance_record(spec: str, manifest: dict[str, Any], samples: int,
+                      keep: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a run records of one training source (``provenance.json``'s ``data``), from its manifest:
     the source it was built from, a dataset name where the source has one (``demo:NAME``,
-    ``hf:NAME[:SPLIT]``), and the licence and attribution the build recorded (None when not)."""
+    ``hf:NAME[:SPLIT]``), the licence and attribution the build recorded (None when not), and with
+    ``data.keep`` the keep-list (folder, rules, kept of total, digest)."""
     source = manifest.get("source")
     dataset = None
     if isinstance(source, str) and source.startswith("demo:"):
@@ -77,4 +79,4 @@ def provenance_record(spec: str, manifest: dict[str, Any], samples: int) -> dict
     elif isinstance(source, str) and source.startswith("hf:"):
         dataset = source.removeprefix("hf:").split(":")[0]
     return {"spec": spec, "source": source, "dataset": dataset, "license": manifest.get("license"),
-            "attribution": manifest.get("attribution"), "samples": samples}
+            "attribution": manifest.get("attribution"), "samples": samples, **({"keep": keep} if keep else {})}

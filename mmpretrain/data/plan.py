@@ -27,7 +27,7 @@ LAYOUT = 2
 @dataclass(frozen=True)
 class Segment:
     shard: int  # index into the flat shard list
-    start: int  # first sample index inside the shard
+    start: int  # first sample index inside the shard (with data.keep: among its kept samples)
     stop: int
 
 
@@ -46,12 +46,16 @@ class StreamPlan:
 
     def __post_init__(self):
         self.urls = [u for s in self.sources for u in s.urls]
-        self.sizes = [n for s in self.sources for n in s.sizes]
+        self.sizes = [n for s in self.sources for n in s.sizes]  # samples read per shard (kept ones with data.keep)
+        self.full_sizes = [n for s in self.sources for n in (s.full_sizes or s.sizes)]  # the shards' counts
+        # data.keep: per shard its ShardKeep (mmpretrain.data.keep; kept positions), None: every sample
+        self.keep = [s.keep[i] if s.keep else None for s in self.sources for i in range(len(s.urls))]
         # each shard's sidecar embeddings (mmpretrain.data.sidecar.SourceEmbeddings), None: none beside it
         self.embeddings = [s.embeddings for s in self.sources for _ in s.urls]
         self.teachers = [s.teachers for s in self.sources for _ in s.urls]  # SourceTeachers (teacher.py) or None
-        # the global index of sample i of shard k is offsets[k] + i (shards in data.train order)
-        self.offsets = np.cumsum([0] + self.sizes[:-1]).tolist() if self.sizes else []
+        # the global index of sample i of shard k is offsets[k] + i (shards in data.train order; i its position
+        # in the shard, also with a keep-list, so an index names the same sample filtered or not)
+        self.offsets = np.cumsum([0] + self.full_sizes[:-1]).tolist() if self.sizes else []
         self.readers = self.world_size * self.workers
         # every rank takes `steps` batches an epoch; its batch n comes from worker n % workers (the
         # DataLoader's round robin), so a worker's share of an epoch is a whole number of batches that
@@ -87,7 +91,9 @@ class StreamPlan:
 
     def identity(self) -> dict[str, Any]:
         """What a saved position is only valid for."""
-        digest = hashlib.sha1(json_bytes([self.urls, self.sizes, [s.weight for s in self.sources]])).hexdigest()
+        kept = [(s.keep_record or {}).get("digest") for s in self.sources]
+        digest = hashlib.sha1(json_bytes([self.urls, self.sizes, [s.weight for s in self.sources]]
+                                         + ([kept] if any(kept) else []))).hexdigest()
         return {"layout": LAYOUT, "mode": self.mode, "seed": self.seed, "world_size": self.world_size, "workers": self.workers,
                 "batch_size": self.batch_size, "num_samples": self.num_samples,
                 "shuffle_block": self.shuffle_block, "data": digest[:16]}

@@ -39,6 +39,11 @@ class Source:
     embeddings: Any = None  # mmpretrain.data.sidecar.SourceEmbeddings when caption embeddings lie beside the shards
     teachers: Any = None  # mmpretrain.data.teacher.SourceTeachers when an objective distills from stored teachers
     # (their record, whatever the layout: mmpretrain.data.sidecar.recorded)
+    # data.keep (mmpretrain.data.keep.attach_keep): `sizes` are then the kept counts, `full_sizes` the
+    # shards' counts, `keep` one ShardKeep per shard and `keep_record` what provenance records of the list
+    full_sizes: list[int] | None = None
+    keep: list | None = None
+    keep_record: dict | None = None
 
     @property
     def num_samples(self) -> int:

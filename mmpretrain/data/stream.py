@@ -11,9 +11,8 @@ worker ``w`` makes the batches ``n`` of ``[e*S, (e+1)*S)`` with ``n % W == w`` (
 counts of two workers differ by at most one). The sequence is cut into ``R * W`` contiguous ranges of
 those lengths, in node-then-worker order, so each reader opens only the shards its range touches
 (with at least as many shards as readers, at most two readers share a shard). Fewer shards than
-readers is fine -- an img2dataset build of CC3M has ~330 shards for 64 GPUs x 8 workers -- a shard's
-samples are then split between several readers, each skipping to its own range (local files seek
-past the members before it; remote ones are streamed up to it).
+readers (CC3M's ~330 img2dataset shards for 64 GPUs x 8 workers) split a shard between readers, each
+skipping to its range (local files seek past the members before it; remote ones are streamed to it).
 Every rank therefore takes ``S`` steps per epoch and sees every sample of its ranges exactly once; the
 ``N - R*S*B < R*B`` samples at the end -- less than one global batch -- are the dropped remainder
 (logged as ``dropped_remainder`` in ``skipped``). Each reader also owns an equal slice of that remainder as
@@ -39,8 +38,12 @@ bytes into Python), and the next batch is bit-identical to the uninterrupted run
 same ranks, workers, batch size, seed, mode and data; anything else is refused with the reason.
 
 **Sample index.** Every sample carries its global index ``offset of its shard + position in the
-shard`` (shards in ``data.train`` order), the same under resume, any rank count and resampling; a
-resampled batch can hold one index twice.
+shard`` (shards in ``data.train`` order), the same under resume, any rank count, resampling and a
+keep-list; a resampled batch can hold one index twice.
+
+**Keep-list** (``data.keep``, :mod:`mmpretrain.data.keep`). The plan counts a shard's kept samples
+only (its segments are ranges of them); a reader seeks to each kept sample's stored position, passing
+the others without decoding, and checks its key (a mismatch is counted as ``keep_key_mismatch``).
 
 Kept out of ``accelerator.prepare()``: the split by rank happens here, Accelerate would split again.
 The parts: :mod:`~mmpretrain.data.plan` (which segments each reader reads; no I/O),
@@ -83,23 +86,24 @@ class StreamError(RuntimeError):
 
 
 class SegmentReader:
-    """Raw samples at increasing positions of a reader's sequence of segments, each with its global
-    sample index as ``__index__``; a position whose sample cannot be read comes back as the reason
-    string. Shards whose reading failed are kept in ``failed_shards``; samples a shard holds beyond
-    its ``sizes.json`` count (never read by the plan) are counted in ``uncounted``."""
+    """Raw samples at increasing positions of a reader's segments, each with its global sample index as
+    ``__index__``; an unreadable position comes back as the reason string. Shards whose reading failed:
+    ``failed_shards``; samples beyond a shard's ``sizes.json`` count (never read): ``uncounted``."""
 
     def __init__(self, urls: list[str], offsets: list[int], sizes: list[int], segments: Iterator[Segment],
-                 embeddings: list | None = None, teachers: list | None = None):
-        self.urls, self.offsets, self.sizes = urls, offsets, sizes
-        self.teachers = teachers  # per shard: its SourceTeachers, or None (mmpretrain.data.teacher)
+                 embeddings: list | None = None, teachers: list | None = None, keep: list | None = None,
+                 full_sizes: list[int] | None = None):  # data.keep: per shard its ShardKeep or None (segments
+        # then count kept samples; full_sizes: the shards' counts)
+        self.urls, self.offsets, self.sizes, self.keep = urls, offsets, sizes, keep or [None] * len(urls)
+        self.full_sizes, self.key_warned = full_sizes or sizes, set()
+        # per shard: its SourceTeachers (mmpretrain.data.teacher) and its SourceEmbeddings, or None
+        self.teachers, self.embeddings, self.segments = teachers, embeddings, segments
         self.shard_teacher: tuple[int, Any] | None = None
-        self.segments = segments
-        self.embeddings = embeddings  # per shard: its SourceEmbeddings, or None
         self.shard_emb: tuple[int, Any] | None = None  # (shard, ShardEmbeddings) of the shard last opened
         self.seg: Segment | None = None
         self.seg_pos = 0  # position of self.seg's first sample
         self.it: Iterator[dict[str, Any]] | None = None
-        self.next_in_seg = 0  # sample index (within the segment) self.it yields next
+        self.next_in_shard = 0  # the shard position of the sample self.it yields next
         self.failed: str | None = None
         self.failed_shards: set[str] = set()
         self.uncounted = 0
@@ -110,13 +114,13 @@ class SegmentReader:
             if self.seg is not None:
                 self.seg_pos += self.seg.stop - self.seg.start
             self.seg = next(self.segments)
-            self.it, self.next_in_seg, self.failed = None, 0, None
+            self.it, self.next_in_shard, self.failed = None, 0, None
 
     def _check_tail(self) -> None:
         """A segment read to its shard's counted end: samples after it are beyond sizes.json."""
         seg = self.seg
         if (self.it is None or self.failed or seg.stop != self.sizes[seg.shard]
-                or self.next_in_seg != seg.stop - seg.start or seg.shard in self.tails_checked):
+                or self.next_in_shard != self.full_sizes[seg.shard] or seg.shard in self.tails_checked):
             return
         self.tails_checked.add(seg.shard)
         try:
@@ -125,45 +129,53 @@ class SegmentReader:
             extra = 0
         if extra:
             log.warning("shard %s holds %d sample(s) beyond its sizes.json count %d: they are never read; "
-                        "rebuild sizes.json (python -m data_tools verify)", self.urls[seg.shard], extra, seg.stop)
+                        "rebuild sizes.json (python -m data_tools verify)", self.urls[seg.shard], extra,
+                        self.full_sizes[seg.shard])
             self.uncounted += extra
 
     def _sidecar(self, shard: int):
         if self.shard_emb is None or self.shard_emb[0] != shard:
-            self.shard_emb = (shard, self.embeddings[shard].for_shard(self.urls[shard], self.sizes[shard]))
+            self.shard_emb = (shard, self.embeddings[shard].for_shard(self.urls[shard], self.full_sizes[shard]))
         return self.shard_emb[1]
 
     def get(self, pos: int) -> dict[str, Any] | str:
         self._advance_to(pos)
         seg = self.seg
-        want = pos - self.seg_pos
+        local = seg.start + pos - self.seg_pos  # among the shard's samples read (its kept ones with data.keep)
+        keep = self.keep[seg.shard]
+        at = int(keep.positions[local]) if keep is not None else local  # the shard position
         if self.failed:
             return self.failed
-        if self.it is None or want < self.next_in_seg:
-            self.it = read_tar(self.urls[seg.shard], skip=seg.start + want)
-            self.next_in_seg = want
+        if self.it is None or at < self.next_in_shard:
+            self.it = read_tar(self.urls[seg.shard], skip=at)
+            self.next_in_shard = at
         try:
-            while self.next_in_seg < want:  # skip without decoding
+            while self.next_in_shard < at:  # skip without decoding
                 next(self.it)
-                self.next_in_seg += 1
+                self.next_in_shard += 1
             raw = next(self.it)
-            self.next_in_seg += 1
-            raw["__index__"] = self.offsets[seg.shard] + seg.start + want
+            self.next_in_shard += 1
+            if keep is not None and (want := keep.key(local)) is not None and raw["__key__"] != want:
+                if seg.shard not in self.key_warned and not self.key_warned.add(seg.shard):
+                    log.warning("shard %s: sample %d is %r, the keep-list says %r: the shard changed after "
+                                "filtering (its other mismatches are counted as keep_key_mismatch); run `python -m "
+                                "data_tools filter` again", self.urls[seg.shard], at, raw["__key__"], want)
+                return "keep_key_mismatch"
+            raw["__index__"] = self.offsets[seg.shard] + at
             if self.embeddings is not None and self.embeddings[seg.shard] is not None:
                 side = self._sidecar(seg.shard)
-                raw["__emb__"] = side.row(seg.start + want, raw["__key__"])
-                raw["__emb_extra__"] = side.extra(seg.start + want) if raw["__emb__"] is not None else None
+                raw["__emb__"] = side.row(at, raw["__key__"])
+                raw["__emb_extra__"] = side.extra(at) if raw["__emb__"] is not None else None
             if self.teachers is not None and self.teachers[seg.shard] is not None:
                 if self.shard_teacher is None or self.shard_teacher[0] != seg.shard:
-                    self.shard_teacher = (seg.shard, self.teachers[seg.shard].for_shard(self.urls[seg.shard],
-                                                                                         self.sizes[seg.shard]))
-                raw["__teacher__"] = self.shard_teacher[1].rows(seg.start + want, raw["__key__"])
+                    self.shard_teacher = (seg.shard, self.teachers[seg.shard].for_shard(self.urls[seg.shard], self.full_sizes[seg.shard]))
+                raw["__teacher__"] = self.shard_teacher[1].rows(at, raw["__key__"])
             self._check_tail()
             return raw
         except StopIteration:
             self.failed = "missing_in_shard"  # fewer samples than sizes.json says
         except UNREADABLE as e:
-            log.warning("shard %s unreadable at sample %d: %s", self.urls[seg.shard], seg.start + want, e)
+            log.warning("shard %s unreadable at sample %d: %s", self.urls[seg.shard], at, e)
             self.failed = "unreadable_shard"
         self.failed_shards.add(self.urls[seg.shard])
         return self.failed
@@ -228,7 +240,8 @@ class Reader:
         else:
             M, P = None, 0
             segments = lambda: plan.drawn_segments(epoch, self.index)  # noqa: E731
-        reader = SegmentReader(plan.urls, plan.offsets, plan.sizes, segments(), plan.embeddings, plan.teachers)
+        reader = SegmentReader(plan.urls, plan.offsets, plan.sizes, segments(), plan.embeddings, plan.teachers,
+                               plan.keep, plan.full_sizes)
         fruitless = 0
         while emitted < L:
             if M is None or pos < M:  # shuffled blocks (never crossing into the spares)

@@ -18,6 +18,7 @@ from mmpretrain.data import host_memory, urls
 from mmpretrain.data.crop import ResizedCrop
 from mmpretrain.data.decode import SampleDecoder, split_normalize
 from mmpretrain.data.device_decode import DeviceDecoder
+from mmpretrain.data.keep import attach_keep
 from mmpretrain.data.manifest import provenance_record
 from mmpretrain.data.plan import StreamPlan
 from mmpretrain.data.sidecar import attach_embeddings, check_extra_rows, recorded, stored_dim
@@ -60,6 +61,7 @@ def build_data(cfg: ExperimentConfig, world_size: int) -> Data:
     try:
         sources = resolve_sources(cfg.data.train, cfg.data.weights)
         attach_embeddings(sources, cfg.data.embeddings)
+        attach_keep(sources, cfg.data.keep)  # the kept counts replace the shards' (sample indices stay theirs)
         total = sum(s.num_samples for s in sources)
         plan = StreamPlan(sources, cfg.data.mode, cfg.seed, world_size, max(1, cfg.data.num_workers),
                           cfg.data.batch_size, cfg.data.num_samples or total, cfg.data.shuffle_buffer)
@@ -240,7 +242,7 @@ def write_run_files(files: RunFolder, cfg: ExperimentConfig, data: Data, model: 
                     dropped_per_epoch=data.plan.dropped_per_epoch, largest_matrix=largest)
     files.config.write_text(to_yaml(cfg, resolved))
     files.write_model_config(model.model_cfg, model.preprocess_cfg)
-    sources = [provenance_record(s.spec, s.manifest, s.num_samples) for s in data.sources]
+    sources = [provenance_record(s.spec, s.manifest, s.num_samples, s.keep_record) for s in data.sources]
     files.provenance.write_text(json.dumps(provenance({"world_size": world_size, "data": sources}), indent=2))
     files.log.write_text("".join(json.dumps(r) + "\n" for r in records))
 
@@ -284,7 +286,7 @@ def setup(cfg: ExperimentConfig) -> Run:
         print(f"note: {note}", file=sys.stderr)
     # sample indices run over every source's shards (sizes.json): the per-sample tables' length
     objective = build_objective_for(cfg, rank, world, data.schedule.num_samples,
-                                    index_size=sum(s.num_samples for s in data.sources))
+                                    index_size=sum(data.plan.full_sizes))
     target_from = target_source(cfg, data.sources, objective)  # shards / online / none
     teacher_dims = teachers_for(cfg, data, objective)
     if target_from == "online":

@@ -1,0 +1,150 @@
+"""The filter's rules, each a pure function of per-sample arrays (no I/O): a boolean "keep" mask.
+
+- :func:`score_mask`: keep the top fraction, or those at or above a score (DataComp's CLIP-score filter).
+- :func:`semdedup`: SemDeDup (Abbas et al. 2023): spherical k-means (scikit-learn's KMeans on
+  L2-normalised rows), then in each cluster the members are ordered by cosine to their centroid,
+  least similar first, and a member is removed when any member before it has cosine above the
+  threshold: of a group of near-duplicates the one farthest from the centroid survives.
+- :func:`balance_mask`: MetaCLIP's balancing: an entry (subgroup, cluster, or metadata entry matched in
+  the caption) with more than ``cap`` samples keeps each with probability ``cap / count``; a sample is kept
+  when one of its entries keeps it (a draw seeded by the seed, the sample key and the entry), so the
+  result does not depend on the order of shards. Samples matching no entry are removed (MetaCLIP keeps
+  only text that matches its metadata).
+- :func:`basic_mask`: DataComp's basic filter: image short side >= 200 px, aspect ratio < 3, caption of
+  more than 2 words and 5 characters.
+- :func:`language_mask`: langid.py (its model ships inside the package) says the caption is ``lang``.
+- :func:`near_any`: the highest cosine of each row to any row of another set (decontamination).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections import Counter
+
+import numpy as np
+
+CHUNK = 4096  # rows per matrix product in near_any
+
+
+def unit(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float32)
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+
+def score_mask(scores: np.ndarray, keep_top: float | None = None, min_score: float | None = None) -> np.ndarray:
+    """``keep_top``: the ``round(fraction * n)`` best scores (ties broken by position, earlier first);
+    ``min_score``: scores >= it. Both: both must hold."""
+    n = len(scores)
+    keep = np.ones(n, dtype=bool)
+    if keep_top is not None:
+        order = np.argsort(-scores, kind="stable")
+        top = np.zeros(n, dtype=bool)
+        top[order[:int(round(keep_top * n))]] = True
+        keep &= top
+    if min_score is not None:
+        keep &= scores >= min_score
+    return keep
+
+
+def kmeans(x: np.ndarray, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(labels, unit centroids) of spherical k-means: scikit-learn's KMeans on unit rows (Lloyd, k-means++
+    init, one run), centroids renormalised. Above 100,000 rows MiniBatchKMeans (batch 4,096)."""
+    from sklearn.cluster import KMeans, MiniBatchKMeans
+
+    x = unit(x)
+    k = max(1, min(k, len(x)))
+    if len(x) > 100_000:
+        km = MiniBatchKMeans(n_clusters=k, random_state=seed, batch_size=4096, n_init=1, max_iter=20)
+    else:
+        km = KMeans(n_clusters=k, random_state=seed, n_init=1, max_iter=50)
+    labels = km.fit_predict(x)
+    return labels.astype(np.int64), unit(km.cluster_centers_)
+
+
+def semdedup(x: np.ndarray, threshold: float, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(keep mask, cluster labels) of SemDeDup on rows ``x`` (see the module's doc)."""
+    x = unit(x)
+    labels, centroids = kmeans(x, k, seed)
+    keep = np.ones(len(x), dtype=bool)
+    order = np.argsort(labels, kind="stable")
+    bounds = np.flatnonzero(np.diff(labels[order])) + 1
+    for members in np.split(order, bounds):
+        if len(members) < 2:
+            continue
+        xm = x[members]
+        to_centroid = xm @ centroids[labels[members[0]]]
+        members = members[np.argsort(to_centroid, kind="stable")]  # least similar to the centroid first
+        xm = x[members]
+        sim = np.triu(xm @ xm.T, k=1)  # sim[i, j], i before j
+        keep[members[sim.max(axis=0) > threshold]] = False
+    return keep, labels
+
+
+def _draw(seed: int, key: str, entry: str) -> float:
+    h = hashlib.blake2b(f"{seed}:{key}:{entry}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") / 2.0 ** 64
+
+
+def balance_mask(entries: list[list[str]], keys: list[str], cap: int, seed: int = 0) -> tuple[np.ndarray, Counter]:
+    """(keep mask, entry counts) of MetaCLIP's balancing (see the module's doc)."""
+    counts = Counter(e for es in entries for e in set(es))
+    keep = np.zeros(len(entries), dtype=bool)
+    for i, (es, key) in enumerate(zip(entries, keys)):
+        keep[i] = any(counts[e] <= cap or _draw(seed, key, e) < cap / counts[e] for e in sorted(set(es)))
+    return keep, counts
+
+
+def match_entries(captions: list[str], entries: list[str]) -> list[list[str]]:
+    """Each caption's metadata entries: MetaCLIP's substring matching, at word boundaries (so that "cat"
+    does not match "category") and case-folded; every word n-gram of the caption up to the longest
+    entry is looked up in a set (linear in the caption, whatever the number of entries)."""
+    norm = {" ".join(re.findall(r"\w+", e.lower())) for e in entries}
+    norm.discard("")
+    longest = max((e.count(" ") + 1 for e in norm), default=0)
+    out = []
+    for c in captions:
+        words = re.findall(r"\w+", c.lower())
+        found = {" ".join(words[i:i + n]) for n in range(1, longest + 1) for i in range(len(words) - n + 1)}
+        out.append(sorted(found & norm))
+    return out
+
+
+def basic_mask(widths: np.ndarray, heights: np.ndarray, captions: list[str], min_side: int = 200,
+               max_aspect: float = 3.0, min_words: int = 3, min_chars: int = 6) -> np.ndarray:
+    """DataComp's basic filter (its language rule is :func:`language_mask`). Unknown sizes (-1) fail."""
+    w, h = np.asarray(widths), np.asarray(heights)
+    ok = (np.minimum(w, h) >= min_side) & (np.maximum(w, h) < max_aspect * np.maximum(np.minimum(w, h), 1))
+    words = np.array([len(c.split()) >= min_words and len(c.strip()) >= min_chars for c in captions], dtype=bool)
+    return ok & words
+
+
+def language_mask(captions: list[str], lang: str = "en") -> np.ndarray:
+    import langid
+
+    return np.array([bool(c.strip()) and langid.classify(c)[0] == lang for c in captions], dtype=bool)
+
+
+def near_any(x: np.ndarray, others: np.ndarray) -> np.ndarray:
+    """For each row of ``x``, the highest cosine to any row of ``others`` (chunked)."""
+    x, others = unit(x), unit(others)
+    best = np.full(len(x), -1.0, dtype=np.float32)
+    for a in range(0, len(x), CHUNK):
+        for b in range(0, len(others), CHUNK):
+            best[a:a + CHUNK] = np.maximum(best[a:a + CHUNK], (x[a:a + CHUNK] @ others[b:b + CHUNK].T).max(axis=1))
+    return best
+
+
+def uid_strings(array: np.ndarray) -> set[str]:
+    """DataComp's UID list (``np.load`` of its .npy): 128-bit uids as a structured ``u8,u8`` array or an
+    (n, 2) uint64 array (high, low), or hex strings; as 32-digit lower-case hex strings."""
+    if array.dtype.names and len(array.dtype.names) == 2:
+        hi, lo = (array[n].astype(np.uint64) for n in array.dtype.names)
+    elif array.ndim == 2 and array.shape[1] == 2 and array.dtype.kind in "ui":
+        hi, lo = array[:, 0].astype(np.uint64), array[:, 1].astype(np.uint64)
+    elif array.dtype.kind in "US":
+        return {(s.decode() if isinstance(s, bytes) else str(s)).lower() for s in array.ravel()}
+    else:
+        raise ValueError(f"a UID list is a structured u8,u8 array, an (n, 2) integer array or strings, not "
+                         f"{array.dtype} of shape {array.shape}")
+    return {f"{int(a):016x}{int(b):016x}" for a, b in zip(hi, lo)}
