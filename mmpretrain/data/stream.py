@@ -105,8 +105,7 @@ class SegmentReader:
         self.it: Iterator[dict[str, Any]] | None = None
         self.next_in_shard = 0  # the shard position of the sample self.it yields next
         self.failed: str | None = None
-        self.failed_shards: set[str] = set()
-        self.uncounted = 0
+        self.failed_shards, self.uncounted = set(), 0
         self.tails_checked: set[int] = set()  # each shard's surplus counted once per epoch
 
     def _advance_to(self, pos: int) -> None:
