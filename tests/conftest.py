@@ -262,6 +262,28 @@ def openmoji(tmp_path_factory) -> Path:
     return out
 
 
+# a teacher of the experiment grid's kind: the packaged ViT with a trainable open_clip text tower
+TEACHER = ["model.arch=mmpt-tiny-vit", "model.lock_text=false", "model.text_from_targets=false",
+           "data.batch_size=16", "data.num_workers=0", "loss=[{name: clip}]"]
+
+
+@pytest.fixture(scope="session")
+def teacher_data(openmoji, tmp_path_factory) -> dict:
+    """A teacher trained 3 steps on the OpenMoji shards, and a copy of those shards embedded with it
+    (3 crops an image): the teacher-row tests' and the filter's data."""
+    import json
+    import shutil
+
+    root = tmp_path_factory.mktemp("teacher")
+    r = train(openmoji / "train", root / "teacher", "train.steps=3", *TEACHER)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = root / "data"
+    shutil.copytree(openmoji / "train", data)
+    r = run_main("data_tools", "embed", str(data), "--image-model", str(root / "teacher"), "--augmentations", "3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {"root": root, "teacher": root / "teacher", "data": data, "out": json.loads(r.stdout)}
+
+
 def in_tar_copy(src: Path, dst: Path) -> Path:
     """A copy of a sidecar-embedded dataset folder in the earlier layout: each sample's embedding as an
     in-tar ``{key}.emb.npy`` member, no sidecar files (datasets embedded before the sidecars look so)."""

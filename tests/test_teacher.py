@@ -17,26 +17,10 @@ from mmpretrain.data.teacher import CROPS, TEACHERS, teacher_files
 
 from conftest import run_main, setup_run, train
 
-K = 3
-# a teacher of the experiment grid's kind: the packaged ViT with a trainable open_clip text tower
-TEACHER = ["model.arch=mmpt-tiny-vit", "model.lock_text=false", "model.text_from_targets=false",
-           "data.batch_size=16", "data.num_workers=0", "loss=[{name: clip}]"]
+K = 3  # the teacher_data fixture's crops (conftest.py)
 DISTILL = ["model.arch=mmpt-tiny-vit", "model.lock_text=false", "model.text_from_targets=false",
            "data.batch_size=16", "data.num_workers=0", "data.shuffle_buffer=32",
            "loss=[{name: clip, weight: 0.5}, {name: distill, weight: 1.0}]"]
-
-
-@pytest.fixture(scope="module")
-def teacher_data(openmoji, tmp_path_factory) -> dict:
-    """A teacher trained 3 steps on the OpenMoji shards, and a copy of those shards embedded with it."""
-    root = tmp_path_factory.mktemp("teacher")
-    r = train(openmoji / "train", root / "teacher", "train.steps=3", *TEACHER)
-    assert r.returncode == 0, r.stderr[-3000:]
-    data = root / "data"
-    shutil.copytree(openmoji / "train", data)
-    r = run_main("data_tools", "embed", str(data), "--image-model", str(root / "teacher"), "--augmentations", str(K))
-    assert r.returncode == 0, r.stderr[-3000:]
-    return {"root": root, "teacher": root / "teacher", "data": data, "out": json.loads(r.stdout)}
 
 
 def _index(data: Path) -> tuple[str, dict]:
