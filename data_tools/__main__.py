@@ -89,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--threshold", type=float, default=0.95, metavar="COS",
                    help="--dedup: a sample goes when an earlier member of its cluster is above this cosine (0.95)")
     f.add_argument("--clusters", type=int, default=None, metavar="K",
-                   help="k-means clusters of --dedup (default n/1000) and --balance cluster (default sqrt(n))")
+                   help="k-means clusters of --dedup and --balance cluster (default sqrt(n): the least work)")
     f.add_argument("--score", choices=["teacher"], default=None,
                    help="score each pair by the stored teacher's image-caption cosine; with --keep-top / --min-score")
     f.add_argument("--keep-top", type=float, default=None, metavar="FRACTION", help="--score: keep this best fraction")

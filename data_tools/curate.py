@@ -2,7 +2,7 @@
 
 - :func:`score_mask`: keep the top fraction, or those at or above a score (DataComp's CLIP-score filter).
 - :func:`semdedup`: SemDeDup (Abbas et al. 2023): spherical k-means (scikit-learn's KMeans on
-  L2-normalised rows), then in each cluster the members are ordered by cosine to their centroid,
+  L2-normalised rows, fitted on a sample of at most 100,000), then in each cluster the members are ordered by cosine to their centroid,
   least similar first, and a member is removed when any member before it has cosine above the
   threshold: of a group of near-duplicates the one farthest from the centroid survives.
 - :func:`balance_mask`: MetaCLIP's balancing: an entry (subgroup, cluster, or metadata entry matched in
@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections import Counter
 
@@ -28,8 +29,21 @@ CHUNK = 4096  # rows per matrix product in near_any
 
 
 def unit(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float32)
-    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+    """Rows scaled to unit length, as float32 (chunked: float16 rows of millions of samples never exist
+    in float64)."""
+    out = np.empty(x.shape, dtype=np.float32)
+    for a in range(0, len(x), 1 << 16):
+        c = np.asarray(x[a:a + (1 << 16)], dtype=np.float32)
+        out[a:a + len(c)] = c / np.maximum(np.linalg.norm(c, axis=1, keepdims=True), 1e-12)
+    return out
+
+
+def cosines(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Row-wise cosine of two row sets (chunked)."""
+    out = np.empty(len(x), dtype=np.float32)
+    for a in range(0, len(x), 1 << 16):
+        out[a:a + (1 << 16)] = np.einsum("ne,ne->n", unit(x[a:a + (1 << 16)]), unit(y[a:a + (1 << 16)]))
+    return out
 
 
 def score_mask(scores: np.ndarray, keep_top: float | None = None, min_score: float | None = None) -> np.ndarray:
@@ -47,19 +61,31 @@ def score_mask(scores: np.ndarray, keep_top: float | None = None, min_score: flo
     return keep
 
 
-def kmeans(x: np.ndarray, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(labels, unit centroids) of spherical k-means: scikit-learn's KMeans on unit rows (Lloyd, k-means++
-    init, one run), centroids renormalised. Above 100,000 rows MiniBatchKMeans (batch 4,096)."""
-    from sklearn.cluster import KMeans, MiniBatchKMeans
+FIT_ROWS = 100_000  # k-means is fitted on at most this many rows (a seeded sample), then every row assigned
 
-    x = unit(x)
+
+def default_clusters(n: int) -> int:
+    """sqrt(n): the k that balances the assignment's n*k*d against the within-cluster pairs' n*(n/k)*d."""
+    return max(1, round(math.sqrt(n)))
+
+
+def kmeans(x: np.ndarray, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(labels, unit centroids) of spherical k-means on unit rows ``x``: scikit-learn's KMeans (Lloyd,
+    k-means++ init, one run, 20 iterations) on a seeded sample of at most :data:`FIT_ROWS` rows (all of
+    them below that), then each row to its most similar centroid (chunked)."""
+    from sklearn.cluster import KMeans
+
     k = max(1, min(k, len(x)))
-    if len(x) > 100_000:
-        km = MiniBatchKMeans(n_clusters=k, random_state=seed, batch_size=4096, n_init=1, max_iter=20)
-    else:
-        km = KMeans(n_clusters=k, random_state=seed, n_init=1, max_iter=50)
-    labels = km.fit_predict(x)
-    return labels.astype(np.int64), unit(km.cluster_centers_)
+    rng = np.random.default_rng(seed)
+    fit = x if len(x) <= FIT_ROWS else x[np.sort(rng.choice(len(x), FIT_ROWS, replace=False))]
+    km = KMeans(n_clusters=k, random_state=seed, n_init=1, max_iter=20).fit(fit)
+    centroids = unit(km.cluster_centers_)
+    if fit is x:
+        return km.labels_.astype(np.int64), centroids
+    labels = np.empty(len(x), dtype=np.int64)
+    for a in range(0, len(x), CHUNK):
+        labels[a:a + CHUNK] = (x[a:a + CHUNK] @ centroids.T).argmax(1)
+    return labels, centroids
 
 
 def semdedup(x: np.ndarray, threshold: float, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -72,8 +98,7 @@ def semdedup(x: np.ndarray, threshold: float, k: int, seed: int = 0) -> tuple[np
     for members in np.split(order, bounds):
         if len(members) < 2:
             continue
-        xm = x[members]
-        to_centroid = xm @ centroids[labels[members[0]]]
+        to_centroid = x[members] @ centroids[labels[members[0]]]
         members = members[np.argsort(to_centroid, kind="stable")]  # least similar to the centroid first
         xm = x[members]
         sim = np.triu(xm @ xm.T, k=1)  # sim[i, j], i before j

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import logging
-import math
 import posixpath
 import time
 from pathlib import Path
@@ -90,24 +89,18 @@ class Inputs:
         if self._teacher is None:
             index, tid = _teacher(self.emb_dir, self.teacher_name, "this rule")
             side = SourceTeachers(self.emb_dir, index, [tid])
-            image, text, best, keys = [], [], [], []
+            image, text, extras, keys = [], [], [], []
             for url, n in zip(self.source.urls, self.sizes):
                 rows = side.for_shard(url, n)
                 if rows.reason:
                     raise FilterError(f"teacher rows of {posixpath.basename(url)}: {rows.reason}; run `python -m "
                                       f"data_tools embed {self.data} --image-model ...` again")
-                im, tx, ex = rows.images[0][:, 0].astype(np.float32), rows.texts[0].astype(np.float32), rows.extras[0]
-                sims = np.einsum("ne,ne->n", curate.unit(im), curate.unit(tx))
-                for i in range(n):
-                    a, b = rows.offsets[i], rows.offsets[i + 1]
-                    if b > a:
-                        sims[i] = max(sims[i], float((curate.unit(ex[a:b]) @ curate.unit(im[i:i + 1]).T).max()))
-                image.append(im)
-                text.append(tx)
-                best.append(sims)
+                image.append(rows.images[0][:, 0])
+                text.append(rows.texts[0])
+                extras.append((rows.extras[0], rows.offsets))
                 keys += rows.keys
             self._set_keys(keys, "teacher rows")
-            self._teacher = {"image": np.concatenate(image), "text": np.concatenate(text), "best": np.concatenate(best),
+            self._teacher = {"image": np.concatenate(image), "text": np.concatenate(text), "extras": extras,
                              "model": index["teachers"][tid]["model"], "tid": tid}
         return self._teacher
 
@@ -123,7 +116,7 @@ class Inputs:
                 shard = side.for_shard(url, n)
                 if shard.rows is None:
                     raise FilterError(f"caption rows of {posixpath.basename(url)}: {shard.reason}; embed again")
-                rows.append(shard.rows.astype(np.float32))
+                rows.append(shard.rows)
                 keys += shard.keys
             self._set_keys(keys, "caption rows")
             self._captions = np.concatenate(rows)
@@ -183,6 +176,19 @@ class Inputs:
         return self.keys
 
 
+def _best_caption(t: dict[str, Any]) -> np.ndarray:
+    """Each sample's best cosine over caption 0 and its extra captions (the teacher's text rows)."""
+    best = curate.cosines(t["image"], t["text"])
+    start = 0
+    for rows, offsets in t["extras"]:
+        counts = np.diff(offsets)
+        for i in np.flatnonzero(counts):
+            im = curate.unit(t["image"][start + i:start + i + 1])
+            best[start + i] = max(best[start + i], float((curate.unit(rows[offsets[i]:offsets[i + 1]]) @ im.T).max()))
+        start += len(counts)
+    return best
+
+
 def _decontam_rows(eval_dirs: list[str], tid: str, model: str) -> np.ndarray:
     rows = []
     for d in eval_dirs:
@@ -196,7 +202,7 @@ def _decontam_rows(eval_dirs: list[str], tid: str, model: str) -> np.ndarray:
             shard = side.for_shard(url, n)
             if shard.reason:
                 raise FilterError(f"--decontaminate {d}: {posixpath.basename(url)}: {shard.reason}; embed it again")
-            rows.append(shard.images[0][:, 0].astype(np.float32))
+            rows.append(shard.images[0][:, 0])
     return np.concatenate(rows)
 
 
@@ -229,14 +235,13 @@ def _rule(name: str, inp: Inputs, alive: np.ndarray, opts: dict[str, Any]) -> tu
     if name == "dedup":
         what = opts["dedup"]
         x = inp.teacher()["image"] if what == "image" else inp.captions()
-        k = opts["clusters"] or max(1, math.ceil(len(idx) / 1000))
+        k = opts["clusters"] or curate.default_clusters(len(idx))
         keep, _ = curate.semdedup(x[idx], opts["threshold"], k, opts["seed"])
         return keep, {"on": what, "rows": "teacher evaluation view" if what == "image" else "caption model, caption 0",
                       "threshold": opts["threshold"], "clusters": k, "survivor": "farthest from its centroid"}
     if name == "score":
         t = inp.teacher()
-        scores = (t["best"] if opts["score_caption"] == "best" else
-                  np.einsum("ne,ne->n", curate.unit(t["image"]), curate.unit(t["text"])))
+        scores = _best_caption(t) if opts["score_caption"] == "best" else curate.cosines(t["image"], t["text"])
         s = scores[idx]
         keep = curate.score_mask(s, opts["keep_top"], opts["min_score"])
         return keep, {"teacher": t["model"], "caption": opts["score_caption"], "keep_top": opts["keep_top"],
@@ -245,8 +250,8 @@ def _rule(name: str, inp: Inputs, alive: np.ndarray, opts: dict[str, Any]) -> tu
         by = opts["balance"]
         keys = inp.all_keys()
         if by == "cluster":
-            k = opts["clusters"] or max(1, round(math.sqrt(len(idx))))
-            labels, _ = curate.kmeans(inp.teacher()["image"][idx], k, opts["seed"])
+            k = opts["clusters"] or curate.default_clusters(len(idx))
+            labels, _ = curate.kmeans(curate.unit(inp.teacher()["image"][idx]), k, opts["seed"])
             entries = [[str(c)] for c in labels]
         elif by == "subgroup":
             js = inp.meta(sizes=False)["json"]
