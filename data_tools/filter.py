@@ -89,18 +89,22 @@ class Inputs:
         if self._teacher is None:
             index, tid = _teacher(self.emb_dir, self.teacher_name, "this rule")
             side = SourceTeachers(self.emb_dir, index, [tid])
-            image, text, extras, keys = [], [], [], []
-            for url, n in zip(self.source.urls, self.sizes):
+            dim = int(index["teachers"][tid]["dim"])
+            # filled shard by shard, each shard's arrays dropped after: the rows stay float16, held once
+            image, text = np.empty((self.n, dim), np.float16), np.empty((self.n, dim), np.float16)
+            extras, keys = [], []
+            for k, (url, n) in enumerate(zip(self.source.urls, self.sizes)):
                 rows = side.for_shard(url, n)
                 if rows.reason:
                     raise FilterError(f"teacher rows of {posixpath.basename(url)}: {rows.reason}; run `python -m "
                                       f"data_tools embed {self.data} --image-model ...` again")
-                image.append(rows.images[0][:, 0])
-                text.append(rows.texts[0])
-                extras.append((rows.extras[0], rows.offsets))
+                a = int(self.bounds[k])
+                image[a:a + n], text[a:a + n] = rows.images[0][:, 0], rows.texts[0]
+                extras.append((rows.extras[0] if len(rows.extras[0]) else None, rows.offsets))
                 keys += rows.keys
+                del rows
             self._set_keys(keys, "teacher rows")
-            self._teacher = {"image": np.concatenate(image), "text": np.concatenate(text), "extras": extras,
+            self._teacher = {"image": image, "text": text, "extras": extras,
                              "model": index["teachers"][tid]["model"], "tid": tid}
         return self._teacher
 
@@ -206,6 +210,11 @@ def _decontam_rows(eval_dirs: list[str], tid: str, model: str) -> np.ndarray:
     return np.concatenate(rows)
 
 
+def _rows(x: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """The rows ``idx`` of ``x`` (``x`` itself, not a copy, when they are all of it)."""
+    return x if len(idx) == len(x) else x[idx]
+
+
 def _rule(name: str, inp: Inputs, alive: np.ndarray, opts: dict[str, Any]) -> tuple[np.ndarray, dict[str, Any]]:
     """The mask over the ``alive`` samples of rule ``name`` and the settings it records."""
     idx = np.flatnonzero(alive)
@@ -229,16 +238,17 @@ def _rule(name: str, inp: Inputs, alive: np.ndarray, opts: dict[str, Any]) -> tu
     if name == "decontaminate":
         t = inp.teacher()
         others = _decontam_rows(opts["decontaminate"], t["tid"], t["model"])
-        near = curate.near_any(t["image"][idx], others)
+        near = curate.near_any(_rows(t["image"], idx), others)
         return near <= opts["decontaminate_threshold"], {"eval": opts["decontaminate"], "eval_images": len(others),
                                                         "threshold": opts["decontaminate_threshold"], "teacher": t["model"]}
     if name == "dedup":
         what = opts["dedup"]
         x = inp.teacher()["image"] if what == "image" else inp.captions()
         k = opts["clusters"] or curate.default_clusters(len(idx))
-        keep, _ = curate.semdedup(x[idx], opts["threshold"], k, opts["seed"])
+        keep, _ = curate.semdedup(_rows(x, idx), opts["threshold"], k, opts["seed"])
         return keep, {"on": what, "rows": "teacher evaluation view" if what == "image" else "caption model, caption 0",
-                      "threshold": opts["threshold"], "clusters": k, "survivor": "farthest from its centroid"}
+                      "threshold": opts["threshold"], "clusters": k, "kmeans": curate.kmeans_backend(),
+                      "survivor": "farthest from its centroid"}
     if name == "score":
         t = inp.teacher()
         scores = _best_caption(t) if opts["score_caption"] == "best" else curate.cosines(t["image"], t["text"])
@@ -251,7 +261,7 @@ def _rule(name: str, inp: Inputs, alive: np.ndarray, opts: dict[str, Any]) -> tu
         keys = inp.all_keys()
         if by == "cluster":
             k = opts["clusters"] or curate.default_clusters(len(idx))
-            labels, _ = curate.kmeans(curate.unit(inp.teacher()["image"][idx]), k, opts["seed"])
+            labels, _ = curate.kmeans(curate.unit(_rows(inp.teacher()["image"], idx)), k, opts["seed"])
             entries = [[str(c)] for c in labels]
         elif by == "subgroup":
             js = inp.meta(sizes=False)["json"]
@@ -262,7 +272,7 @@ def _rule(name: str, inp: Inputs, alive: np.ndarray, opts: dict[str, Any]) -> tu
             entries = curate.match_entries([caps[i] for i in idx], lines)
         keep, counts = curate.balance_mask(entries, [keys[i] for i in idx], opts["cap"], opts["seed"])
         return keep, {"by": by, "cap": opts["cap"], "entries": len(counts), "over_cap": sum(c > opts["cap"] for c in counts.values()),
-                      **({"clusters": k} if by == "cluster" else {}), **({"file": opts["entries"]} if by == "entries" else {})}
+                      **({"clusters": k, "kmeans": curate.kmeans_backend()} if by == "cluster" else {}), **({"file": opts["entries"]} if by == "entries" else {})}
     raise AssertionError(name)
 
 

@@ -112,3 +112,29 @@ def test_experiment_restarts_only_run_folders_it_made(openmoji, tmp_path):
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and message in r.stderr and "--work" in r.stderr, (case, r.stderr[-2000:])
         assert (run / "notes.txt").read_text() == "a user's file", case
+
+
+def test_curation_corruption_is_a_recorded_derangement_of_a_share_of_the_captions(openmoji, tmp_path, monkeypatch):
+    """scripts/reports/curation.py's noisy copy: exactly the recorded share of samples gets another sample's
+    caption (none its own), every other member is byte-identical, the evaluation folders are linked."""
+    sys.path.insert(0, str(ROOT / "scripts/reports"))
+    import curation
+
+    from mmpretrain.data.tar import read_tar
+
+    monkeypatch.setattr(curation, "run_cli", lambda *a, **k: None)  # the caption embed: tested elsewhere
+    noisy = tmp_path / "noisy"
+    keys = curation.corrupt(openmoji, noisy, 0.3, seed=0)
+    names = sorted(json.loads((openmoji / "train/sizes.json").read_text()))
+    clean = {r["__key__"]: r for n in names for r in read_tar(openmoji / "train" / n)}
+    dirty = {r["__key__"]: r for n in names for r in read_tar(noisy / "train" / n)}
+    assert list(clean) == list(dirty) and len(keys) == round(0.3 * len(clean)) == len(set(keys))
+    changed = {k for k in clean if clean[k]["txt"] != dirty[k]["txt"]}
+    assert changed <= set(keys) and len(changed) >= len(keys) - 2  # two emoji may share a name
+    assert sorted(dirty[k]["txt"] for k in keys) == sorted(clean[k]["txt"] for k in keys)  # moved among them
+    for k in clean:
+        assert dirty[k]["png"] == clean[k]["png"] and (k in keys or dirty[k]["txt"] == clean[k]["txt"])
+    assert (noisy / "test").resolve() == (openmoji / "test").resolve()
+    assert curation.corrupt(openmoji, noisy, 0.3, seed=0) == keys  # recorded: not redone
+    with pytest.raises(SystemExit):
+        curation.corrupt(openmoji, noisy, 0.2, seed=0)

@@ -327,13 +327,58 @@ def load_supplements() -> dict[str, dict[str, dict]]:
     return found
 
 
-def block(found: dict[str, dict], supplements: dict[str, dict[str, dict]] | None = None) -> str:
+# (claim, variant, baseline, metric, direction) of the curation run (scripts/reports/curation.py)
+CURATION_CLAIMS = [
+    ("30 % swapped captions lower image R@5", "noisy", "clean", "retrieval/image_retrieval_recall@5", -1),
+    ("30 % swapped captions lower zero-shot acc1", "noisy", "clean", "heldout/acc1", -1),
+    ("filtering by the noisy teacher's score raises image R@5 over the noisy data", "filtered", "noisy",
+     "retrieval/image_retrieval_recall@5", +1),
+    ("... raises the linear probe", "filtered", "noisy", "heldout/lp_acc1", +1),
+    ("... raises zero-shot acc1", "filtered", "noisy", "heldout/acc1", +1),
+    ("... raises Noto acc1 (cross-style)", "filtered", "noisy", "cross_style/acc1", +1),
+    ("... raises Noto image R@5", "filtered", "noisy", "cross_style_retrieval/image_retrieval_recall@5", +1),
+    ("clean captions still beat the filtered noisy ones on image R@5", "clean", "filtered",
+     "retrieval/image_retrieval_recall@5", +1),
+]
+
+
+def curation_section(data: dict) -> list[str]:
+    """The curation run's table, claims and the filter's precision and recall."""
+    st, summ, f = data["settings"], data["summary"], data["filter"]
+    metrics = [m for m in TABLE if all(m in summ[k] for k in ("clean", "noisy", "filtered"))]
+    out = [f"### Curation: a teacher's score on noisy captions (`demo:openmoji-all`, {round(100 * st['noise'])} % of "
+           "training captions swapped)", "",
+           f"`python scripts/reports/curation.py`: clip, batch 64, {st['steps']} steps for every row; `filtered` keeps "
+           f"the top {st['keep_top']:.0%} by the stored score of a teacher trained on the noisy data (the noisy cell "
+           "of seed 0); `clean` is the grid's clip cells above. Mean ± sd over "
+           f"{summ['noisy'][metrics[0]]['n']} seeds.", "",
+           "| data | " + " | ".join(LABELS.get(m, m) for m in metrics) + " |", "|---|" + "---|" * len(metrics)]
+    for kind in ("clean", "noisy", "filtered"):
+        out.append(f"| {kind} | " + " | ".join(f"{fmt(summ[kind][m]['mean'])} ± {fmt(summ[kind][m]['sd'])}"
+                                               for m in metrics) + " |")
+    out += ["", f"The filter removed {f['removed']} of the samples; {f['corrupted']} were corrupted: precision "
+            f"{f['precision']:.3f}, recall {f['recall']:.3f} (equal because the keep fraction matches the noise "
+            f"share); {f['kept_corrupted_share']:.1%} of the kept samples are still corrupted, against "
+            f"{st['noise']:.0%} before.", "", "| claim | Δ | bound | verdict |", "|---|---|---|---|"]
+    for claim, variant, base, metric, direction in CURATION_CLAIMS:
+        if metric not in summ[variant] or metric not in summ[base]:
+            continue
+        c = compare(summ[variant][metric]["values"], summ[base][metric]["values"], direction)
+        out.append(f"| {claim} ({variant} vs {base}, {LABELS.get(metric, metric)}) | {c['delta']:+.3f} | "
+                   f"{c['bound']:.3f} | {c['verdict']} |")
+    return out + [""]
+
+
+def block(found: dict[str, dict], supplements: dict[str, dict[str, dict]] | None = None,
+          curation: dict | None = None) -> str:
     out: list[str] = []
     for name in DATASETS:
         if name in found and found[name].get("cells"):
             out += section(name, found[name], (supplements or {}).get(name))
         else:
             out += [f"### {DATASETS[name]}", "", "Not run yet.", ""]
+    if curation and curation.get("summary"):
+        out += curation_section(curation)
     return "\n".join(out).strip() + "\n"
 
 
@@ -377,7 +422,8 @@ def main() -> int:
     p.add_argument("--write", action="store_true")
     args = p.parse_args()
     found = load()
-    text = block(found, load_supplements())
+    cur = RESULTS / "curation.json"
+    text = block(found, load_supplements(), json.loads(cur.read_text()) if cur.is_file() else None)
     if not args.write:
         print(text, end="")
         return 0
