@@ -35,9 +35,11 @@ WHAT = {
     "embed": "`data_tools embed` (sidecars) / raw `SentenceTransformer.encode`, sentences/s, 20,000 captions",
     "teacher_embed": "`data_tools embed --image-model` / the teacher's bare `encode_image` + `encode_text` on the "
                      "same views and captions, images/s (evidence grid's teacher, K = 10)",
+    "filter": "k-means fit of `data_tools filter --dedup` (faiss, used) / scikit-learn's KMeans, 100,000 rows of 512, "
+              "k = 1,703, 20 iterations (the 2.9 M-row synthetic index; the rules' times in performance.md)",
     "train_global_clip": "training step, `global_clip` (FastCLIP-v3) / plain CLIP, seconds per step (tiny config)",
 }
-ORDER = ["train", "train_global_clip", "loader", "loader_photo", "loader_photo_limit", "loader_photo_device_cpu", "loss", "regions", "eval", "embed", "teacher_embed"]
+ORDER = ["train", "train_global_clip", "loader", "loader_photo", "loader_photo_limit", "loader_photo_device_cpu", "loss", "regions", "eval", "embed", "teacher_embed", "filter"]
 
 
 def fmt(x: float) -> str:
