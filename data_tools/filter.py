@@ -39,6 +39,10 @@ def _source(folder: str):
     if not Path(folder).is_dir():
         raise FilterError(f"{folder} is not a dataset folder (with the sizes.json that `python -m data_tools build` "
                           "writes)")
+    splits = sorted(p.name for p in Path(folder).iterdir() if (p / "sizes.json").is_file())
+    if splits and not (Path(folder) / "sizes.json").is_file():
+        raise FilterError(f"{folder} holds split folders ({', '.join(splits)}): filter one, e.g. {Path(folder) / splits[0]}; "
+                          "a keep-list is made for one dataset folder")
     try:
         return resolve_source(folder)
     except (FileNotFoundError, ValueError) as e:
