@@ -129,6 +129,22 @@ def test_filter_score_dedup_and_balance_keep_the_naive_keys(teacher_data, tmp_pa
     rules = json.loads((tmp_path / "both" / KEEP).read_text())["rules"]
     assert [x["rule"] for x in rules] == ["dedup", "score"] and rules[1]["reached"] == deduped.sum()
 
+    # SemDeDup on the caption model's rows (MiniLM, embed --model) and cluster balance on the teacher's
+    minilm = np.concatenate([np.load(data / (n + ".emb.npy")) for n in names])
+    r = _filter(data, tmp_path / "cap", "--dedup", "caption", "--threshold", "0.9", "--clusters", "4")
+    assert r.returncode == 0, r.stderr[-2000:]
+    deduped, _ = curate.semdedup(minilm, 0.9, 4, seed=0)
+    assert set(_kept(tmp_path / "cap")) == set(np.array(keys)[deduped]) and (~deduped).sum() > 0
+    r = _filter(data, tmp_path / "clu", "--balance", "cluster", "--clusters", "5", "--cap", "40")
+    assert r.returncode == 0, r.stderr[-2000:]
+    labels, _ = curate.kmeans(curate.unit(image), 5, 0)
+    want_keep, counts = curate.balance_mask([[str(c)] for c in labels], keys, cap=40, seed=0)
+    assert set(_kept(tmp_path / "clu")) == {k for k, w in zip(keys, want_keep) if w}
+    for e, c in counts.items():  # a cluster under the cap is kept whole, one over it near the cap
+        got = int(want_keep[labels == int(e)].sum())
+        assert got == c if c <= 40 else 15 <= got <= 80, (c, got)
+    assert max(counts.values()) > 40
+
     entries = tmp_path / "entries.txt"
     entries.write_text("face\nhand\nperson\nflag\n")
     r = _filter(data, tmp_path / "bal", "--balance", "entries", "--entries", str(entries), "--cap", "5", "--seed", "2")
@@ -179,7 +195,7 @@ def _small_dataset(folder: Path, emoji_images) -> Path:
             buf = io.BytesIO()
             img.save(buf, "JPEG")
             w.write({"__key__": f"{i:04d}", "jpg": buf.getvalue(), "txt": caps[i % 6],
-                     "json": json.dumps({"uid": f"{i:032x}"}).encode()})
+                     "json": json.dumps({"uid": f"{i:032x}", "subgroup": "face" if i < 9 else "heart"}).encode()})
     (folder / "sizes.json").write_text(json.dumps({"s-000000.tar": 12}))
     return folder
 
@@ -204,6 +220,11 @@ def test_basic_language_and_uid_rules_on_shards(emoji_images, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     index = json.loads((tmp_path / "uid" / KEEP).read_text())
     assert _kept(tmp_path / "uid") == ["0006", "0010"] and index["removed"] == {"uids": 9, "basic": 1}
+    r = _filter(data, tmp_path / "sub", "--balance", "subgroup", "--cap", "3", "--seed", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    groups = [["face"] if i < 9 else ["heart"] for i in range(12)]
+    want, _ = curate.balance_mask(groups, [f"{i:04d}" for i in range(12)], cap=3, seed=1)
+    assert _kept(tmp_path / "sub") == [f"{i:04d}" for i in range(12) if want[i]] and want[9:].all() and want[:9].sum() < 9
     r = run_main("data_tools", "stats", str(data), "--keep", str(tmp_path / "uid"))
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout)[0]["keep"]
