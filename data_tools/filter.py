@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from data_tools import curate
-from mmpretrain.data.keep import FORMAT, KEEP, VERSION, digest, write_shard
+from mmpretrain.data.keep import FORMAT, KEEP, KEYS, POSITIONS, VERSION, digest, write_shard
 from mmpretrain.data.manifest import write_json_atomic
 from mmpretrain.data.sidecar import SourceEmbeddings, read_folder_json, read_index, shard_bytes
 from mmpretrain.data.sources import resolve_source
@@ -323,9 +323,10 @@ def filter_dataset(data: str, out: str | None = None, *, overwrite: bool = False
     index = {"format": FORMAT, "version": VERSION, "data": str(Path(data).resolve()), "rules": record,
              "removed": removed, "total": inp.n, "kept": int(alive.sum()), "seed": opts.get("seed", 0),
              "seconds": round(time.time() - start, 1), "shards": shards, "files": sorted(files)}
-    stale = set((old or {}).get("files", [])) - set(files)
+    # files of the replaced list that this one does not rewrite: only its shards' own two names, by its record
+    ours = {n + suffix for n in (old or {}).get("shards", {}) if "/" not in n for suffix in (KEYS, POSITIONS)}
+    stale = (set((old or {}).get("files", [])) & ours) - set(files)
     write_json_atomic(out_dir / KEEP, index)
-    for f in stale:  # files of the replaced list that this one does not rewrite (its own, by its record)
-        if f.endswith((".keep.txt", ".keep.npy")) and "/" not in f:
-            (out_dir / f).unlink(missing_ok=True)
+    for f in stale:
+        (out_dir / f).unlink(missing_ok=True)
     return index

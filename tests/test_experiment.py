@@ -138,3 +138,9 @@ def test_curation_corruption_is_a_recorded_derangement_of_a_share_of_the_caption
     assert curation.corrupt(openmoji, noisy, 0.3, seed=0) == keys  # recorded: not redone
     with pytest.raises(SystemExit):
         curation.corrupt(openmoji, noisy, 0.2, seed=0)
+    theirs = tmp_path / "theirs"  # a folder at the copy's path that the script did not make is never removed
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit):
+        curation.corrupt(openmoji, theirs, 0.3, seed=0)
+    assert (theirs / "notes.txt").read_text() == "mine"

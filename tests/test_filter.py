@@ -250,6 +250,11 @@ def test_filter_refuses_mistakes_and_keeps_user_files(teacher_data, emoji_images
     assert r.returncode == 2 and "--overwrite" in r.stderr
     assert _filter(data, out, "--score", "teacher", "--keep-top", "0.2", "--overwrite").returncode == 0
     assert (out / "notes.txt").read_text() == "mine"
+    index = json.loads((out / KEEP).read_text())
+    index["files"].append("notes.txt")  # a record naming a user's file: only its shards' own names go
+    (out / KEEP).write_text(json.dumps(index))
+    assert _filter(data, out, "--score", "teacher", "--keep-top", "0.2", "--overwrite").returncode == 0
+    assert (out / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in out.iterdir()) == sorted(["notes.txt", KEEP] + json.loads((out / KEEP).read_text())["files"])
     theirs = tmp_path / "theirs"
     theirs.mkdir()

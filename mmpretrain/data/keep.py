@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import os
 import posixpath
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,8 +48,6 @@ def digest(positions: np.ndarray) -> str:
 
 def write_shard(folder: Path, name: str, positions: np.ndarray, keys: list[str]) -> list[str]:
     """One shard's two files (temporary file + rename each); returns their names."""
-    import os
-
     positions = np.asarray(positions, dtype=np.int64)
     out = []
     for suffix, data in ((POSITIONS, None), (KEYS, "".join(k + "\n" for k in keys).encode("utf-8"))):

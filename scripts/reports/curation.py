@@ -38,6 +38,7 @@ import experiment  # noqa: E402
 from experiment import ROOT, TABLE, cell_dir, prepare_data, run_cli, train_cell, write_json  # noqa: E402
 
 CORRUPTED = "corrupted.json"
+OWNED = ".made-by-curation"  # the only folder the script removes holds this
 
 
 def corrupt(clean: Path, noisy: Path, share: float, seed: int) -> list[str]:
@@ -54,9 +55,13 @@ def corrupt(clean: Path, noisy: Path, share: float, seed: int) -> list[str]:
             return data["keys"]
         raise SystemExit(f"error: {noisy} was corrupted with other settings ({data['share']}, seed {data['seed']}); "
                          "pass another --work")
-    if noisy.exists():
+    if noisy.exists():  # a copy this script began and did not finish (its marker, no record): made again
+        if not (noisy / OWNED).is_file():
+            raise SystemExit(f"error: {noisy} exists and this script did not make it (no {OWNED} in it); pass "
+                             "another --work")
         shutil.rmtree(noisy)
     (noisy / "train").mkdir(parents=True)
+    (noisy / OWNED).write_text("made by scripts/reports/curation.py\n")
     names = sorted(json.loads((clean / "train/sizes.json").read_text()))
     samples = [(n, raw) for n in names for raw in read_tar(clean / "train" / n)]
     rng = random.Random(seed)
