@@ -201,6 +201,29 @@ DDP_EVAL = ["--dataset", "{data}", "{data}", "--task", "zeroshot_classification"
             "--num_workers", "1"]
 
 
+# one epoch of 4 shards (one damaged, :func:`damaged`) at 16 a rank: tests/reliability/test_stream_fill.py, and
+# on 2 ranks x 2 workers in the ddp_checks launch
+BAD_SHARD_RUN = ["train.epochs=1", "train.steps=null", "data.batch_size=16", "optim.warmup_steps=1", "train.log_every=1",
+                 "train.progress=false", "train.log_with=[]"]
+HTML_PAGE = b"<html><head><title>502 Bad Gateway</title></head><body>nginx</body></html>\n" * 40
+
+
+def damaged(openmoji: Path, dest: Path, kind: str, bad: int = 2) -> str:
+    """A copy of the OpenMoji training shards whose shard ``bad`` is an HTML error page ("html": an
+    unreadable shard, as a failed download saves it) or whose caption-embedding sidecar is cut short
+    ("sidecar"); returns the ``data.train`` pattern of its first 4 shards."""
+    import shutil
+
+    shutil.copytree(openmoji / "train", dest)
+    names = sorted(p.name for p in dest.glob("*.tar"))
+    if kind == "html":
+        (dest / names[bad]).write_bytes(HTML_PAGE)
+    else:
+        side = dest / f"{names[bad]}.emb.npy"
+        side.write_bytes(side.read_bytes()[:300])
+    return str(dest / f"{names[0].rsplit('-', 1)[0]}-{{000000..000003}}.tar")
+
+
 @pytest.fixture(scope="session")
 def ddp_checks(openmoji, tmp_path_factory) -> dict:
     """One ``accelerate launch`` of 2 CPU processes (each launch costs ~15 s of process start-up and
@@ -212,8 +235,10 @@ def ddp_checks(openmoji, tmp_path_factory) -> dict:
 
     out = tmp_path_factory.mktemp("ddp_checks")
     run_dir = out / "run"
+    bad = {kind: ["--config", str(CONFIG), f"data.train={damaged(openmoji, out / kind, kind)}",
+                  f"run_dir={out / ('run_' + kind)}", *BAD_SHARD_RUN, "data.num_workers=2"] for kind in ("html", "sidecar")}
     plan = {"train": ["--config", str(CONFIG), f"data.train={openmoji / 'train'}", f"run_dir={run_dir}",
-                      "train.progress=false", "train.log_with=[]", *DDP_RUN],
+                      "train.progress=false", "train.log_with=[]", *DDP_RUN], "bad_shards": bad,
             "eval": ["--model", str(run_dir), *(a.format(data=openmoji) for a in DDP_EVAL), "--output",
                      str(out / "eval.json")],
             "checks": ["unused", "masks", "steps"], "data": str(openmoji / "train"), "runs": str(out / "runs"),

@@ -116,18 +116,34 @@ class StreamPlan:
                 break
         return out
 
+    def _start(self, epoch: int, reader: int) -> int:
+        """Where a reader's main range starts in the epoch's order."""
+        rank, worker = divmod(reader, self.workers)
+        return rank * self.steps * self.batch_size + sum(self.reader_length(epoch, w) for w in range(worker))
+
     def reader_layout(self, epoch: int, reader: int) -> tuple[list[Segment], list[Segment]]:
         """Epoch mode: (main range, spares) of a reader. Main ranges tile ``[0, ranks * steps * batch)``
         of the epoch's order in reader order (rank, then worker); the remainder after them is split
         equally between the readers as spares."""
         order = self.shard_order(epoch)
-        rank, worker = divmod(reader, self.workers)
-        start = rank * self.steps * self.batch_size + sum(self.reader_length(epoch, w) for w in range(worker))
-        main = self._slice(order, start, start + self.reader_length(epoch, worker))
+        start = self._start(epoch, reader)
+        main = self._slice(order, start, start + self.reader_length(epoch, reader % self.workers))
         used = self.world_size * self.steps * self.batch_size
         each = (self.num_samples - used) // self.readers
         first = used + reader * each
         return main, self._slice(order, first, first + each)
+
+    def fill_segments(self, epoch: int, reader: int) -> list[Segment]:
+        """Epoch mode: what a reader reads after its range and spares when bad samples left it short: the
+        whole epoch's order from its own range's start, wrapping around (its own range first, then the
+        ranges after it). ``len`` of the epoch positions in all."""
+        order, start = self.shard_order(epoch), self._start(epoch, reader)
+        return self._slice(order, start, self.total) + self._slice(order, 0, start)
+
+    @property
+    def total(self) -> int:
+        """Samples in one pass over every shard (kept ones with data.keep)."""
+        return sum(self.sizes)
 
     def drawn_segments(self, epoch: int, reader: int) -> Iterator[Segment]:
         """Resampled mode: whole shards drawn with replacement, without end."""

@@ -17,9 +17,14 @@ Every rank therefore takes ``S`` steps per epoch and sees every sample of its ra
 ``N - R*S*B < R*B`` samples at the end -- less than one global batch -- are the dropped remainder
 (logged as ``dropped_remainder`` in ``skipped``). Each reader also owns an equal slice of that remainder as
 spares: a reader whose range holds bad samples fills its last batch from its spares (still
-"exactly once": spares are otherwise dropped), and only if they run out repeats its own earliest
-good samples (counted as ``repeated_to_fill``), because every rank must take the same number of
-equal-sized steps.
+"exactly once": spares are otherwise dropped); if they run out it reads on through the epoch's order
+from its range's start, wrapping around (:meth:`~mmpretrain.data.plan.StreamPlan.fill_segments`): its
+own range again (counted as ``repeated_to_fill``), then the ranges after it (``borrowed_to_fill``), because
+every rank must take the same number of equal-sized steps. So a reader whose whole range lies in an
+unreadable shard (readers outnumber shards at scale) trains on from good data, by a rule a resume
+replays; a bad sample met again while filling is not counted twice. The stream stops
+(:class:`StreamError`) only after a reader has tried every position of the epoch in a row without a
+usable sample, naming every shard that gave it a bad one.
 
 **Resampled mode** (``data.mode=resampled``). Reader ``k`` draws shards with replacement, a source
 by ``data.weights`` then a shard uniformly, from a generator seeded by ``(seed, epoch, k)``. An epoch
@@ -67,8 +72,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from mmpretrain.data import urls
 from mmpretrain.data.decode import SampleDecoder, SkipSample
 from mmpretrain.data.device_decode import jpeg_fields
-from mmpretrain.data.plan import Segment, StreamPlan
-from mmpretrain.data.tar import UNREADABLE, read_tar
+from mmpretrain.data.plan import StreamPlan
+from mmpretrain.data.segments import SegmentReader
 
 log = logging.getLogger(__name__)
 
@@ -83,101 +88,6 @@ class StreamError(RuntimeError):
         """The error's own line (a DataLoader worker re-raises it with the worker's traceback around it)."""
         last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
         return last.split("StreamError: ", 1)[-1]
-
-
-class SegmentReader:
-    """Raw samples at increasing positions of a reader's segments, each with its global sample index as
-    ``__index__``; an unreadable position comes back as the reason string. Shards whose reading failed:
-    ``failed_shards``; samples beyond a shard's ``sizes.json`` count (never read): ``uncounted``."""
-
-    def __init__(self, urls: list[str], offsets: list[int], sizes: list[int], segments: Iterator[Segment],
-                 embeddings: list | None = None, teachers: list | None = None, keep: list | None = None,
-                 full_sizes: list[int] | None = None):  # data.keep: per shard its ShardKeep or None (segments
-        # then count kept samples; full_sizes: the shards' counts)
-        self.urls, self.offsets, self.sizes, self.keep = urls, offsets, sizes, keep or [None] * len(urls)
-        self.full_sizes, self.key_warned = full_sizes or sizes, set()
-        # per shard: its SourceTeachers (mmpretrain.data.teacher) and its SourceEmbeddings, or None
-        self.teachers, self.embeddings, self.segments = teachers, embeddings, segments
-        self.shard_teacher: tuple[int, Any] | None = None
-        self.shard_emb: tuple[int, Any] | None = None  # (shard, ShardEmbeddings) of the shard last opened
-        self.seg: Segment | None = None
-        self.seg_pos = 0  # position of self.seg's first sample
-        self.it: Iterator[dict[str, Any]] | None = None
-        self.next_in_shard = 0  # the shard position of the sample self.it yields next
-        self.failed: str | None = None
-        self.failed_shards, self.uncounted = set(), 0
-        self.tails_checked: set[int] = set()  # each shard's surplus counted once per epoch
-
-    def _advance_to(self, pos: int) -> None:
-        while self.seg is None or pos >= self.seg_pos + (self.seg.stop - self.seg.start):
-            if self.seg is not None:
-                self.seg_pos += self.seg.stop - self.seg.start
-            self.seg = next(self.segments)
-            self.it, self.next_in_shard, self.failed = None, 0, None
-
-    def _check_tail(self) -> None:
-        """A segment read to its shard's counted end: samples after it are beyond sizes.json."""
-        seg = self.seg
-        if (self.it is None or self.failed or seg.stop != self.sizes[seg.shard]
-                or self.next_in_shard != self.full_sizes[seg.shard] or seg.shard in self.tails_checked):
-            return
-        self.tails_checked.add(seg.shard)
-        try:
-            extra = sum(1 for _ in self.it)
-        except UNREADABLE:
-            extra = 0
-        if extra:
-            log.warning("shard %s holds %d sample(s) beyond its sizes.json count %d: they are never read; "
-                        "rebuild sizes.json (python -m data_tools verify)", self.urls[seg.shard], extra,
-                        self.full_sizes[seg.shard])
-            self.uncounted += extra
-
-    def _sidecar(self, shard: int):
-        if self.shard_emb is None or self.shard_emb[0] != shard:
-            self.shard_emb = (shard, self.embeddings[shard].for_shard(self.urls[shard], self.full_sizes[shard]))
-        return self.shard_emb[1]
-
-    def get(self, pos: int) -> dict[str, Any] | str:
-        self._advance_to(pos)
-        seg = self.seg
-        local = seg.start + pos - self.seg_pos  # among the shard's samples read (its kept ones with data.keep)
-        keep = self.keep[seg.shard]
-        at = int(keep.positions[local]) if keep is not None else local  # the shard position
-        if self.failed:
-            return self.failed
-        if self.it is None or at < self.next_in_shard:
-            self.it = read_tar(self.urls[seg.shard], skip=at)
-            self.next_in_shard = at
-        try:
-            while self.next_in_shard < at:  # skip without decoding
-                next(self.it)
-                self.next_in_shard += 1
-            raw = next(self.it)
-            self.next_in_shard += 1
-            if keep is not None and (want := keep.key(local)) is not None and raw["__key__"] != want:
-                if seg.shard not in self.key_warned and not self.key_warned.add(seg.shard):
-                    log.warning("shard %s: sample %d is %r, the keep-list says %r: the shard changed after "
-                                "filtering (its other mismatches are counted as keep_key_mismatch); run `python -m "
-                                "data_tools filter` again", self.urls[seg.shard], at, raw["__key__"], want)
-                return "keep_key_mismatch"
-            raw["__index__"] = self.offsets[seg.shard] + at
-            if self.embeddings is not None and self.embeddings[seg.shard] is not None:
-                side = self._sidecar(seg.shard)
-                raw["__emb__"] = side.row(at, raw["__key__"])
-                raw["__emb_extra__"] = side.extra(at) if raw["__emb__"] is not None else None
-            if self.teachers is not None and self.teachers[seg.shard] is not None:
-                if self.shard_teacher is None or self.shard_teacher[0] != seg.shard:
-                    self.shard_teacher = (seg.shard, self.teachers[seg.shard].for_shard(self.urls[seg.shard], self.full_sizes[seg.shard]))
-                raw["__teacher__"] = self.shard_teacher[1].rows(at, raw["__key__"])
-            self._check_tail()
-            return raw
-        except StopIteration:
-            self.failed = "missing_in_shard"  # fewer samples than sizes.json says
-        except UNREADABLE as e:
-            log.warning("shard %s unreadable at sample %d: %s", self.urls[seg.shard], at, e)
-            self.failed = "unreadable_shard"
-        self.failed_shards.add(self.urls[seg.shard])
-        return self.failed
 
 
 def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -228,33 +138,37 @@ class Reader:
         L, S = plan.reader_length(epoch, self.worker), max(1, plan.shuffle_block)
         if plan.mode == "epoch":
             main, spare = plan.reader_layout(epoch, self.index)
+            fill = plan.fill_segments(epoch, self.index)
             M = sum(s.stop - s.start for s in main)
             P = sum(s.stop - s.start for s in spare)
+            N = plan.total
+            limit = M + P + N  # that many failed slots in a row have tried every position of the epoch
 
             def segments():
                 yield from main
                 yield from spare
-                while True:  # repeating the reader's own range, only to fill after bad samples
-                    yield from main
+                while True:  # only to fill after bad samples: the epoch from this reader's range on, round
+                    yield from fill
         else:
-            M, P = None, 0
+            M, P, N, limit = None, 0, 0, 10 * L + 10_000
             segments = lambda: plan.drawn_segments(epoch, self.index)  # noqa: E731
         reader = SegmentReader(plan.urls, plan.offsets, plan.sizes, segments(), plan.embeddings, plan.teachers,
                                plan.keep, plan.full_sizes)
-        fruitless = 0
+        bad: dict[int, set[str]] = {}  # shard -> why samples of it were not used, this epoch
+        fruitless, borrowing = 0, False
         while emitted < L:
             if M is None or pos < M:  # shuffled blocks (never crossing into the spares)
                 end = pos + S if M is None else min(pos + S, M)
                 perm = list(range(pos, end))
                 if plan.shuffle_block > 1:
                     random.Random(f"{plan.seed}:{epoch}:{self.rank}:{self.worker}:{pos // S}").shuffle(perm)
-                repeat = False
-            else:  # spares, then repeats: in order
+                at = None
+            else:  # spares, then the fill: in order
                 end = pos + 1
                 perm = [pos]
-                repeat = pos >= M + P
+                at = (pos - M - P) % N if pos >= M + P else None  # where in the fill (own range first)
             # only the slots not consumed yet are read (a resumed block skips the rest without extracting)
-            raws = {p: reader.get(p) for p in sorted(perm[k0:])}
+            raws = {p: (reader.get(p), reader.last_shard) for p in sorted(perm[k0:])}
             retries = urls.take_retries()  # remote reads retried (no sample lost): counted with the skips
             if retries:
                 skipped["remote_retries"] += retries
@@ -262,33 +176,52 @@ class Reader:
                 skipped["beyond_sizes_json"] += reader.uncounted
                 reader.uncounted = 0
             for j in range(k0, len(perm)):
-                raw = raws[perm[j]]
-                # a bad sample met again while repeating was counted in the first pass of this epoch
-                if isinstance(raw, str):
-                    skipped[raw] += not repeat
-                    continue
-                try:
-                    item = self.decoder(raw, plan.seed, epoch)
-                except SkipSample as e:
-                    skipped[e.reason] += not repeat
+                raw, shard = raws[perm[j]]
+                # a bad sample met again while filling was counted in the first pass of this epoch (by
+                # this reader or the one whose range it is)
+                reason = raw if isinstance(raw, str) else None
+                if reason is None:
+                    try:
+                        item = self.decoder(raw, plan.seed, epoch)
+                    except SkipSample as e:
+                        reason = e.reason
+                if reason is not None:
+                    fruitless += 1
+                    skipped[reason] += at is None
+                    bad.setdefault(shard, set()).add(reason)
                     continue
                 item["index"] = raw["__index__"]
-                if repeat:
-                    skipped["repeated_to_fill"] += 1
+                if at is not None:
+                    own = at < M
+                    skipped["repeated_to_fill" if own else "borrowed_to_fill"] += 1
+                    if not own and not borrowing:
+                        borrowing = True
+                        log.warning("reader %d (rank %d, worker %d): its share of epoch %d has too few decodable "
+                                    "samples; it fills its batches from the ranges after it (counted as "
+                                    "borrowed_to_fill)", self.index, self.rank, self.worker, epoch)
                 emitted += 1
                 fruitless = 0
                 yield item, [epoch, pos, j + 1, emitted]
                 if emitted == L:
                     return
-            fruitless += end - pos
-            if fruitless > (M + P + 1 if M is not None else 10 * L + 10_000):
-                bad = sorted(reader.failed_shards)
-                raise StreamError(
-                    f"reader {self.index} (rank {self.rank}, worker {self.worker}) found no decodable sample in "
-                    f"its share of epoch {epoch}" + (f"; unreadable shard(s): {', '.join(bad[:5])}"
-                                                     + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-                                                     if bad else "") + ". Check the data: python -m data_tools verify")
+            if fruitless >= limit:
+                raise StreamError(self._nothing_left(epoch, bad))
             pos, k0 = end, 0
+
+    def _nothing_left(self, epoch: int, bad: dict[int, set[str]]) -> str:
+        """The line that ends the run: every position of the epoch (epoch mode) or many draws (resampled)
+        gave no usable sample; every shard that gave a bad one, with why."""
+        dead = {"unreadable_shard", "missing_in_shard"}
+        unreadable = sorted(self.plan.urls[k] for k, why in bad.items() if why & dead)
+        skipping = sorted(f"{self.plan.urls[k]} ({', '.join(sorted(why))})" for k, why in bad.items() if not why & dead)
+        parts = [f"{what}: {', '.join(names[:20])}" + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+                 for what, names in (("unreadable shard(s)", unreadable),
+                                     ("shard(s) whose samples were all skipped", skipping)) if names]
+        where = ("any shard of the data" if self.plan.mode == "epoch"
+                 else f"{10 * self.plan.reader_length(epoch, self.worker) + 10_000} samples of drawn shards")
+        return (f"no decodable sample left in epoch {epoch}: reader {self.index} (rank {self.rank}, worker "
+                f"{self.worker}) found none in {where}" + "".join(f"; {p}" for p in parts)
+                + ". Check the data: python -m data_tools verify")
 
 
 class TrainStream(IterableDataset):

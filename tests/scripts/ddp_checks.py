@@ -16,6 +16,9 @@ start-up and imports on 2 cores. argv[1]: a JSON plan, in the order run:
     are the same on both;
   - ``steps``: tests/scripts/step_equivalence.py's float64 steps with the global batch split over the 2
     ranks (its ``default`` set).
+- ``bad_shards``: ``{name: [train arguments]}``, each run through the trainer's ``main`` like ``train``
+  (4 shards, one damaged: tests/reliability/test_stream_fill.py); ``bad_<name>``: its exit status and
+  its last log record.
 
 The main process writes the report (JSON) to the plan's ``report``.
 """
@@ -101,6 +104,14 @@ def main(plan_path: str) -> None:
         from step_equivalence import main as steps  # this script's folder is on sys.path
 
         report["steps"] = steps(None, "default")
+    if ok and plan.get("bad_shards"):
+        from mmpretrain.train.cli import main as train
+
+        for name, args in plan["bad_shards"].items():
+            code = train(args)
+            run_dir = next(a.split("=", 1)[1] for a in args if a.startswith("run_dir="))
+            lines = (Path(run_dir) / "log.jsonl").read_text().splitlines() if code == 0 else []
+            report[f"bad_{name}"] = {"exit": code, "last": json.loads(lines[-1]) if lines else None}
     if PartialState().is_main_process:
         Path(plan["report"]).write_text(json.dumps(report))
     destroy(PartialState())
