@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from mmpretrain.data.crop import ResizedCrop
 from mmpretrain.data.decode import SampleDecoder, augmentation_seed
-from mmpretrain.data.device_decode import KEYS, DeviceDecoder, device_jpeg
+from mmpretrain.data.device_decode import KEYS, DeviceDecoder
+from mmpretrain.data.jpeg import device_jpeg
 from mmpretrain.data.stream import collate
 from mmpretrain.testing.photos import make_jpegs
 
@@ -204,7 +205,7 @@ def test_device_decoding_replays_the_teachers_stored_crops(openmoji_jpg, demo_ru
     (tid, block), = index["teachers"].items()
     names = sorted(block["shards"])
     offsets = np.cumsum([0] + [block["shards"][n]["count"] for n in names])
-    assert len(batch["jpeg_slots"]) == 16
+    assert batch["jpeg_slots"].tolist() == list(range(1, 16))  # slot 0: the batch's anchor, decoded by the worker
     for slot, box in zip(batch["jpeg_slots"].tolist(), batch["jpeg_boxes"].tolist()):
         idx = int(batch["sample_index"][slot])
         k = int(np.searchsorted(offsets, idx, side="right") - 1)
@@ -214,3 +215,21 @@ def test_device_decoding_replays_the_teachers_stored_crops(openmoji_jpg, demo_ru
         np.testing.assert_array_equal(batch["teacher_image_embeddings"][slot].numpy(), row.astype(np.float32))
     run.device_decoder(batch)
     assert batch["images"].float().std() > 0  # decoded in place
+
+
+def test_a_shard_where_no_image_decodes_trains_on_the_device_path(tmp_path):
+    """Every JPEG of one shard passes the header check and decodes nowhere: each is a counted skip (its
+    slot repeats the batch's first image, which the worker decodes), never "no image of the batch could
+    be decoded" (it raised RuntimeError)."""
+    from mmpretrain.testing.photos import write_shards
+
+    from conftest import TEACHER
+
+    photos = make_jpegs(32, seed=7, short_side=(96, 128))
+    photos[:16] = [(c, bad_huffman(j)) for c, j in photos[:16]]
+    write_shards(photos, tmp_path / "data", per_shard=16)
+    r = train(tmp_path / "data", tmp_path / "run", *TEACHER, "train.epochs=1", "train.steps=null", "data.batch_size=8",
+              "train.log_every=1", "data.decode=device")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    last = json.loads((tmp_path / "run" / "log.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 4 and last["skipped"]["undecodable_image"] == 16, last

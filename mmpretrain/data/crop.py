@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from mmpretrain.data.jpeg import check_tail
+
 #: the DCT reductions libjpeg offers through Pillow's draft mode, largest first
 DRAFT_SCALES = (8, 4, 2)
 
@@ -93,14 +95,18 @@ class ResizedCrop:
 
     def decode(self, img: Image.Image, box: Box, check=None) -> tuple[Image.Image, int]:
         """``img`` (as opened) decoded to RGB at the reduction ``box`` allows; ``(image, reduction)``.
-        ``check``: called on the image about to be decoded (its size the reduced one), e.g. a pixel cap."""
+        ``check``: called on the image about to be decoded (its size the reduced one), e.g. a pixel cap.
+        Raises :class:`~mmpretrain.data.jpeg.TruncatedJpeg` for a JPEG whose data do not cover its frame."""
         s = self.reduction(img, box)
+        (width, height), jpeg = img.size, img.format == "JPEG"
         if s > 1:
             drafted = img.draft("RGB", (img.width // s, img.height // s))
             s = img.decoderconfig[0] if drafted is not None else 1  # what libjpeg will actually do
         if check is not None:
             check(img)
         img.load()
+        if jpeg:  # data that ran out before the last block decode to libjpeg's grey fill (jpeg.py)
+            check_tail(img, height, width, s)
         return (img if img.mode == "RGB" else img.convert("RGB")), s
 
     def resize(self, img: Image.Image, box: Box, s: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from mmpretrain.data.crop import Box, ResizedCrop, fast_train_transform
-from mmpretrain.data.device_decode import device_jpeg
+from mmpretrain.data.jpeg import TruncatedJpeg, check_tail, device_jpeg, read_frame, too_short
 from mmpretrain.data.sidecar import IN_TAR, read_row
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
@@ -151,7 +151,9 @@ class SampleDecoder:
         self.embedding_dim = embedding_dim
         self.max_pixels = max_pixels
 
-    def __call__(self, raw: dict[str, Any], seed: int, epoch: int) -> dict[str, Any]:
+    def __call__(self, raw: dict[str, Any], seed: int, epoch: int, anchor: bool = False) -> dict[str, Any]:
+        """``anchor``: decode the image here even with ``data.decode=device`` (the first image of each
+        batch, so that a batch always holds one image a device-undecodable slot can repeat)."""
         ext = next((e for e in IMAGE_EXTS if e in raw), None)
         if ext is None:
             raise SkipSample("missing_image")
@@ -183,8 +185,12 @@ class SampleDecoder:
                 raise SkipSample("missing_embedding")
         aug_seed = augmentation_seed(seed, epoch, raw["__key__"])
         teacher = self._teacher(raw, pick, len(extra), seed, epoch) if self.teacher else None
-        if self.device_decode and ext in ("jpg", "jpeg"):
-            size = device_jpeg(raw[ext])
+        data = raw[ext]
+        frame = read_frame(data) if data[:2] == b"\xff\xd8" else None
+        if frame is not None and too_short(frame, len(data)):  # both decode paths: jpeg.py's rule 1
+            raise SkipSample("truncated_jpeg")
+        if self.device_decode and ext in ("jpg", "jpeg") and not anchor:
+            size = device_jpeg(data)
             # over the pixel cap at full size: the worker decodes it reduced (the cap counts drafted pixels)
             if size is not None and not (self.max_pixels and size[0] * size[1] > self.max_pixels):
                 item = self._item(raw, caption, emb, self._blank)  # the pixels are filled in on the device
@@ -201,13 +207,18 @@ class SampleDecoder:
                 return {**self._item(raw, caption, emb, image), **teacher[1]}
             if isinstance(self.transform, ResizedCrop):  # one pass: crop drawn, reduced decode, resize
                 return self._item(raw, caption, emb, self.transform(img, aug_seed, self._check_pixels))
-            if self.draft_size and img.format == "JPEG":
-                img.draft("RGB", (self.draft_size, self.draft_size))  # the size below is the drafted one
+            (width, height), reduction = img.size, 1
+            if self.draft_size and img.format == "JPEG" and img.draft("RGB", (self.draft_size, self.draft_size)):
+                reduction = img.decoderconfig[0]  # the size below is the drafted one
             self._check_pixels(img)
             img.load()
+            if frame is not None:
+                check_tail(img, height, width, reduction)
             img = img.convert("RGB")
         except Image.DecompressionBombError:
             raise SkipSample("decompression_bomb") from None
+        except TruncatedJpeg:
+            raise SkipSample("truncated_jpeg") from None
         except SkipSample:
             raise
         except Exception:

@@ -21,7 +21,6 @@ while the current step runs.
 from __future__ import annotations
 
 import io
-import struct
 import sys
 import warnings
 from collections.abc import Iterator
@@ -31,58 +30,10 @@ import torch
 from PIL import Image
 
 from mmpretrain.data.crop import Box, ResizedCrop
+from mmpretrain.data.jpeg import FILL, TruncatedJpeg, tail_box
 
-#: baseline and progressive Huffman frames: what nvJPEG (and torchvision's CPU decoder) take
-DEVICE_SOF = {0xC0, 0xC2}
-#: every other start-of-frame marker (extended, lossless, arithmetic, hierarchical)
-OTHER_SOF = {0xC1, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
 #: the keys a batch carries for the device decoder (collate writes them, DeviceDecoder removes them)
 KEYS = ("jpeg_bytes", "jpeg_offsets", "jpeg_slots", "jpeg_boxes")
-
-
-def device_jpeg(data: bytes) -> tuple[int, int] | None:
-    """``(width, height)`` of a JPEG the device decoder takes, from its markers (no pixel decoded): a
-    baseline or progressive Huffman frame of 8-bit samples, 1 (grey) or 3 (YCbCr) components, no Adobe
-    APP14 marker declaring RGB or CMYK/YCCK, ending in EOI (a truncated file is left to the worker). None
-    for anything else."""
-    n = len(data)
-    if n < 4 or data[:2] != b"\xff\xd8" or data[-2:] != b"\xff\xd9":
-        return None
-    i, size, adobe_transform = 2, None, None
-    while i + 4 <= n:
-        if data[i] != 0xFF:
-            return None
-        marker = data[i + 1]
-        if marker == 0xFF:  # fill byte
-            i += 1
-            continue
-        if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # markers without a length
-            i += 2
-            continue
-        length = struct.unpack(">H", data[i + 2:i + 4])[0]
-        seg = data[i + 4:i + 2 + length]
-        if length < 2 or len(seg) != length - 2:
-            return None
-        if marker == 0xEE and seg[:5] == b"Adobe" and len(seg) >= 12:
-            adobe_transform = seg[11]
-        elif marker in OTHER_SOF:
-            return None
-        elif marker in DEVICE_SOF:
-            if len(seg) < 6 or seg[0] != 8:
-                return None
-            height, width, comps = struct.unpack(">HHB", seg[1:6])
-            if comps not in (1, 3) or not width or not height:
-                return None
-            size = (width, height, comps)
-        elif marker == 0xDA:  # start of scan: the headers are over
-            break
-        i += 2 + length
-    if size is None:
-        return None
-    width, height, comps = size
-    if adobe_transform is not None and comps == 3 and adobe_transform != 1:
-        return None  # Adobe's "no transform": the components are RGB, not YCbCr
-    return width, height
 
 
 def jpeg_fields(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -122,12 +73,12 @@ class DeviceDecoder:
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         images = batch["images"].to(self.device, non_blocking=True)
-        if not self.checked:  # the first batch: say so when the workers decoded all of it anyway
+        if not self.checked:  # the first batch: say so when the workers decoded more than its anchor image
             self.checked = True
             n = len(batch["jpeg_slots"]) if "jpeg_slots" in batch else 0
-            if n < len(images):
-                print(f"note: data.decode=device: {len(images) - n} of the first batch's {len(images)} images were "
-                      "decoded by the loader workers (not baseline/progressive YCbCr or grey JPEGs: PNG, WebP, "
+            if n < len(images) - 1:
+                print(f"note: data.decode=device: {len(images) - 1 - n} of the first batch's {len(images)} images "
+                      "were decoded by the loader workers (not baseline/progressive YCbCr or grey JPEGs: PNG, WebP, "
                       "CMYK, ...); only JPEGs are decoded on the device", file=sys.stderr)
         if "jpeg_bytes" not in batch:
             batch["images"] = images
@@ -136,17 +87,29 @@ class DeviceDecoder:
         slots, boxes = batch.pop("jpeg_slots").tolist(), batch.pop("jpeg_boxes").tolist()
         blobs = [data[offsets[k]:offsets[k + 1]] for k in range(len(slots))]
         skipped = batch.setdefault("skipped", {})
-        bad: list[int] = []
+        bad: dict[int, str] = {}  # slot -> why it has no image
         for c in range(0, len(slots), self.chunk):
             part = range(c, min(c + self.chunk, len(slots)))
+            tails = []  # (slot, whether its last block is libjpeg's fill, on the device): one read per chunk
             for k, img in zip(part, self._decode([blobs[k] for k in part])):
-                out = self._resize(img, boxes[k]) if img is not None else self._host(blobs[k], boxes[k])
-                if out is None:
-                    bad.append(slots[k])
-                    continue
-                if img is None:
+                if img is None:  # the worker path's decode, on this thread
+                    out = self._host(blobs[k], boxes[k])
+                    if isinstance(out, str):
+                        bad[slots[k]] = out
+                        continue
                     skipped["device_decode_fallback"] = skipped.get("device_decode_fallback", 0) + 1
+                else:
+                    out = self._resize(img, boxes[k])
+                    if out is None:
+                        bad[slots[k]] = "undecodable_image"
+                        continue
+                    top, left, bottom, right = tail_box(img.shape[-2], img.shape[-1])
+                    tails.append((slots[k], (img[:, top:bottom, left:right] == FILL).all()))
                 images[slots[k]] = out
+            if tails:
+                for (slot, _), grey in zip(tails, torch.stack([t for _, t in tails]).tolist()):
+                    if grey:  # jpeg.py's rule 2, as on the worker path
+                        bad[slot] = "truncated_jpeg"
         batch["images"] = images
         if bad:
             _fill(batch, bad, skipped)
@@ -179,22 +142,25 @@ class DeviceDecoder:
                              antialias=True)
         return out.permute(1, 2, 0)
 
-    def _host(self, blob: torch.Tensor, box: list[int]) -> torch.Tensor | None:
-        """The worker path's decode of one image the device could not decode; None if it cannot either."""
+    def _host(self, blob: torch.Tensor, box: list[int]) -> torch.Tensor | str:
+        """The worker path's decode of one image the device could not decode; why not if it cannot either."""
         try:
             img = Image.open(io.BytesIO(blob.numpy().tobytes()))
             return self.crop.apply(img, Box(*box)).to(self.device)
+        except TruncatedJpeg:
+            return "truncated_jpeg"
         except Exception:
-            return None
+            return "undecodable_image"
 
 
-def _fill(batch: dict[str, Any], bad: list[int], skipped: dict) -> None:
-    """Each slot in ``bad`` (no decodable image) repeats the batch's first good sample, every field."""
-    unusable = set(bad)
-    good = next((i for i in range(batch["images"].shape[0]) if i not in unusable), None)
-    if good is None:
-        raise RuntimeError("no image of the batch could be decoded on the device or the host")
-    for i in bad:
+def _fill(batch: dict[str, Any], bad: dict[int, str], skipped: dict) -> None:
+    """Each slot in ``bad`` (no usable image; the value: why) repeats the batch's first good sample, every
+    field. The first image of a batch is decoded by the loader worker (``SampleDecoder``'s ``anchor``), so
+    a batch always has one."""
+    good = next((i for i in range(batch["images"].shape[0]) if i not in bad), None)
+    if good is None:  # cannot happen with the stream's batches (their anchor); a hand-made batch
+        raise ValueError("data.decode=device: no image of the batch could be decoded on the device or the host")
+    for i, why in bad.items():
         batch["images"][i] = batch["images"][good]
         for k in _ROW_FIELDS:
             if isinstance(batch.get(k), torch.Tensor):
@@ -202,7 +168,7 @@ def _fill(batch: dict[str, Any], bad: list[int], skipped: dict) -> None:
         for k in _LIST_FIELDS:
             if k in batch:
                 batch[k][i] = batch[k][good]
-    skipped["undecodable_image"] = skipped.get("undecodable_image", 0) + len(bad)
+        skipped[why] = skipped.get(why, 0) + 1
     skipped["repeated_in_batch"] = skipped.get("repeated_in_batch", 0) + len(bad)
 
 

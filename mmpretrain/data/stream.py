@@ -182,7 +182,8 @@ class Reader:
                 reason = raw if isinstance(raw, str) else None
                 if reason is None:
                     try:
-                        item = self.decoder(raw, plan.seed, epoch)
+                        # a batch's first image is decoded here also with data.decode=device (its anchor)
+                        item = self.decoder(raw, plan.seed, epoch, emitted % plan.batch_size == 0)
                     except SkipSample as e:
                         reason = e.reason
                 if reason is not None:
