@@ -127,6 +127,8 @@ def _filter(args) -> int:
         raise FilterError("--keep-top / --min-score need --score teacher")
     if args.keep_top is not None and not 0 < args.keep_top <= 1:
         raise FilterError(f"--keep-top {args.keep_top}: give a fraction in (0, 1]")
+    if args.min_score is not None and not -1 <= args.min_score <= 1:  # NaN too
+        raise FilterError(f"--min-score {args.min_score}: the score is a cosine, give S in [-1, 1]")
     if args.balance and (args.cap is None or args.cap < 1):
         raise FilterError("--balance needs --cap N (N >= 1 samples per entry)")
     if (args.balance == "entries") != bool(args.entries):

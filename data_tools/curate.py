@@ -32,9 +32,18 @@ def unit(x: np.ndarray) -> np.ndarray:
     """Rows scaled to unit length, as float32 (chunked: float16 rows of millions of samples never exist
     in float64)."""
     out = np.empty(x.shape, dtype=np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):  # a non-finite row stays non-finite (the filter drops it)
+        for a in range(0, len(x), 1 << 16):
+            c = np.asarray(x[a:a + (1 << 16)], dtype=np.float32)
+            out[a:a + len(c)] = c / np.maximum(np.linalg.norm(c, axis=1, keepdims=True), 1e-12)
+    return out
+
+
+def finite_rows(x: np.ndarray) -> np.ndarray:
+    """Which rows hold only finite values (chunked: no n x E boolean array)."""
+    out = np.empty(len(x), dtype=bool)
     for a in range(0, len(x), 1 << 16):
-        c = np.asarray(x[a:a + (1 << 16)], dtype=np.float32)
-        out[a:a + len(c)] = c / np.maximum(np.linalg.norm(c, axis=1, keepdims=True), 1e-12)
+        out[a:a + (1 << 16)] = np.isfinite(x[a:a + (1 << 16)]).all(axis=1)
     return out
 
 
@@ -48,11 +57,11 @@ def cosines(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def score_mask(scores: np.ndarray, keep_top: float | None = None, min_score: float | None = None) -> np.ndarray:
     """``keep_top``: the ``round(fraction * n)`` best scores (ties broken by position, earlier first);
-    ``min_score``: scores >= it. Both: both must hold."""
+    ``min_score``: scores >= it. Both: both must hold. A NaN score is never kept."""
     n = len(scores)
-    keep = np.ones(n, dtype=bool)
+    keep = np.isfinite(scores)
     if keep_top is not None:
-        order = np.argsort(-scores, kind="stable")
+        order = np.argsort(-np.where(keep, scores, -np.inf), kind="stable")
         top = np.zeros(n, dtype=bool)
         top[order[:int(round(keep_top * n))]] = True
         keep &= top

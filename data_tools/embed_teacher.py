@@ -13,6 +13,7 @@ decoded and cropped by a thread pool while the teacher runs on the previous batc
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -39,6 +40,7 @@ from mmpretrain.data.teacher import (
     save_npy,
     teacher_files,
     teacher_id,
+    teachers_problem,
 )
 from mmpretrain.data.urls import shard_path
 from mmpretrain.launch import current_process
@@ -93,10 +95,21 @@ class Teacher:
             else None
         with torch.no_grad():
             self.dim = int(self.image(torch.zeros(1, 3, *self.size)).shape[1])
+        self.weights = weights_digest(self.model)
+
+    def same_as(self, block: dict) -> bool:
+        """Whether a teacher ``teachers.json`` records is this one: the same weights (by their digest), or
+        for a record without one, the same folder or name and tag."""
+        if block.get("weights"):
+            return block["weights"] == self.weights
+        same = block.get("model") == self.spec or (Path(self.spec).exists() and Path(str(block.get("model"))).exists()
+                                                   and Path(self.spec).resolve() == Path(block["model"]).resolve())
+        return same and block.get("pretrained") == self.pretrained
 
     def record(self) -> dict:
         scale = getattr(self.model, "logit_scale", None)  # its own (learned) scale: distill's teacher_scale option
-        return {"model": self.spec, "pretrained": self.pretrained, "dim": self.dim, "image_size": list(self.size),
+        return {"model": self.spec, "pretrained": self.pretrained, "weights": self.weights, "dim": self.dim,
+                "image_size": list(self.size),
                 "logit_scale": round(float(scale.detach().exp()), 4) if isinstance(scale, torch.Tensor) else None,
                 "interpolation": self.interpolation, "mean": self.mean.flatten().tolist(),
                 "std": self.std.flatten().tolist(), "eval_view": "the model's evaluation transform (index 0)",
@@ -261,7 +274,7 @@ def embed_teachers(path: str | Path, models: list[str], *, pretrained: str | Non
            "ratio": [float(r) for r in ratio], "sampler": SAMPLER}
     for _, emb_dir, _ in jobs:  # refuse before loading anything
         if (emb_dir / TEACHERS).exists() and read_teachers(str(emb_dir)) is None:
-            raise EmbedError(f"{emb_dir / TEACHERS} exists and is not an index embed wrote: it is left as it is; "
+            raise EmbedError(f"{teachers_problem(str(emb_dir), fix=False)}: it is left as it is; move it away, or "
                              "choose another --out")
         old = (read_teachers(str(emb_dir)) or {}).get("augmentations")
         if old and old != aug and not overwrite:
@@ -277,6 +290,8 @@ def embed_teachers(path: str | Path, models: list[str], *, pretrained: str | Non
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         for spec in models:
             teacher = Teacher(spec, pretrained, device or str(proc.device))
+            for _, emb_dir, _ in jobs:
+                _refuse_twin(emb_dir, teacher, aug)
             for source, emb_dir, _ in jobs:
                 (emb_dir / MARKERS).mkdir(parents=True, exist_ok=True)
                 todo = [k for k, url in enumerate(source.urls)
@@ -291,6 +306,29 @@ def embed_teachers(path: str | Path, models: list[str], *, pretrained: str | Non
                     _write_index(emb_dir, source, teacher, aug)
             proc.barrier()
     return results
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """A digest of a model's weights (names and bytes, in name order): one teacher under two paths is
+    recognised."""
+    h = hashlib.sha1()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _refuse_twin(emb_dir: Path, teacher: Teacher, aug: dict) -> None:
+    """Refuse a teacher the folder's ensemble already holds under another name (a relative and an absolute
+    path, an export of the same run): a second copy would count it twice."""
+    index = read_teachers(str(emb_dir))
+    if index is None or index["augmentations"] != aug:
+        return  # no teachers, or ones that saw other crops (--overwrite drops them, or the run is refused)
+    twin = next((t for t, b in index["teachers"].items() if t != teacher.id and teacher.same_as(b)), None)
+    if twin:
+        raise EmbedError(f"--image-model {teacher.spec}: {emb_dir / TEACHERS} already holds this teacher, embedded as "
+                         f"{index['teachers'][twin]['model']} ({twin}, the same weights); a second copy would count it "
+                         "twice in the ensemble. Nothing was written: give it as before to embed it again")
 
 
 def _describe(aug: dict) -> str:

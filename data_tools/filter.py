@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 
 from data_tools import curate
-from mmpretrain.data.keep import FORMAT, KEEP, KEYS, POSITIONS, VERSION, digest, write_shard
+from mmpretrain.data.keep import FORMAT, KEEP, KEYS, POSITIONS, VERSION, digest, file_digest, write_shard
 from mmpretrain.data.manifest import write_json_atomic
-from mmpretrain.data.sidecar import SourceEmbeddings, read_folder_json, read_index, shard_bytes
+from mmpretrain.data.sidecar import SourceEmbeddings, load_npy, read_folder_json, read_index, shard_bytes
 from mmpretrain.data.sources import resolve_source
 from mmpretrain.data.tar import UNREADABLE, read_tar
-from mmpretrain.data.teacher import SourceTeachers, read_teachers
+from mmpretrain.data.teacher import SourceTeachers, read_teachers, teachers_problem
 
 log = logging.getLogger("data_tools")
 ORDER = ("uids", "basic", "language", "decontaminate", "dedup", "score", "balance")
@@ -51,6 +51,8 @@ def _source(folder: str):
 
 def _teacher(emb_dir: str, name: str | None, what: str) -> tuple[dict, str]:
     index = read_teachers(emb_dir)
+    if index is None and (problem := teachers_problem(emb_dir)):
+        raise FilterError(problem)
     if index is None or not index["teachers"]:
         raise FilterError(f"{what} needs a teacher's stored rows, and {emb_dir} holds no teachers.json: run `python -m "
                           f"data_tools embed {emb_dir} --image-model MODEL` (or give --embeddings, the folder it wrote)")
@@ -108,8 +110,8 @@ class Inputs:
                 keys += rows.keys
                 del rows
             self._set_keys(keys, "teacher rows")
-            self._teacher = {"image": image, "text": text, "extras": extras,
-                             "model": index["teachers"][tid]["model"], "tid": tid}
+            self._teacher = {"image": image, "text": text, "extras": extras, "model": index["teachers"][tid]["model"],
+                             "tid": tid, "finite": curate.finite_rows(image) & curate.finite_rows(text)}
         return self._teacher
 
     def captions(self) -> np.ndarray:
@@ -202,6 +204,8 @@ def _decontam_rows(eval_dirs: list[str], tid: str, model: str) -> np.ndarray:
     for d in eval_dirs:
         src = _source(d)
         index = read_teachers(d)
+        if index is None and (problem := teachers_problem(d)):
+            raise FilterError(f"--decontaminate {d}: {problem}")
         if index is None or tid not in index["teachers"]:
             raise FilterError(f"--decontaminate {d}: it holds no rows of the teacher {model}; embed it with the same "
                               f"teacher: `python -m data_tools embed {d} --image-model {model} --augmentations 0`")
@@ -211,7 +215,30 @@ def _decontam_rows(eval_dirs: list[str], tid: str, model: str) -> np.ndarray:
             if shard.reason:
                 raise FilterError(f"--decontaminate {d}: {posixpath.basename(url)}: {shard.reason}; embed it again")
             rows.append(shard.images[0][:, 0])
-    return np.concatenate(rows)
+    rows = np.concatenate(rows)
+    return rows[curate.finite_rows(rows)]  # a NaN row is near nothing (it would remove every training image)
+
+
+def _read_uids(path: str) -> set[str]:
+    """``--uids``: a DataComp UID list, checked before any work (FilterError naming the flag and the file)."""
+    try:
+        return curate.uid_strings(load_npy(str(path)))
+    except ValueError as e:
+        raise FilterError(f"--uids {path}: {str(e).replace(str(path) + ' ', '', 1)}; give DataComp's .npy UID list "
+                          "(structured u8,u8, (n, 2) integers, or hex strings)") from None
+
+
+def _read_entries(path: str) -> list[str]:
+    """``--entries``: one metadata entry a line, UTF-8 text."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise FilterError(f"--entries {path} is not UTF-8 text (byte {e.start}); give one entry a line, UTF-8") from None
+    except OSError as e:
+        raise FilterError(f"--entries {path} cannot be read ({e.__class__.__name__}: {e})") from None
+    if not any(line.strip() for line in lines):
+        raise FilterError(f"--entries {path} holds no entry; give one entry a line")
+    return lines
 
 
 def _rows(x: np.ndarray, idx: np.ndarray) -> np.ndarray:
@@ -219,12 +246,21 @@ def _rows(x: np.ndarray, idx: np.ndarray) -> np.ndarray:
     return x if len(idx) == len(x) else x[idx]
 
 
+def _unusable(name: str, inp: Inputs, opts: dict[str, Any]) -> np.ndarray | None:
+    """The samples whose stored rows rule ``name`` reads hold a NaN or an infinity (None: it reads none)."""
+    if name in ("decontaminate", "score") or (name, opts.get("dedup")) == ("dedup", "image") or \
+            (name, opts.get("balance")) == ("balance", "cluster"):
+        return ~inp.teacher()["finite"]
+    if name == "dedup":
+        return ~curate.finite_rows(inp.captions())
+    return None
+
+
 def _rule(name: str, inp: Inputs, alive: np.ndarray, opts: dict[str, Any]) -> tuple[np.ndarray, dict[str, Any]]:
     """The mask over the ``alive`` samples of rule ``name`` and the settings it records."""
     idx = np.flatnonzero(alive)
     if name == "uids":
-        arr = np.load(opts["uids"], allow_pickle=False)
-        wanted = curate.uid_strings(arr)
+        wanted = opts["uid_set"]
         meta = inp.meta(sizes=False)
         uids = [str((j if isinstance(j, dict) else {}).get("uid") or k).lower()
                 for j, k in zip(meta["json"], inp.all_keys())]
@@ -272,7 +308,7 @@ def _rule(name: str, inp: Inputs, alive: np.ndarray, opts: dict[str, Any]) -> tu
             entries = [[str(js[i]["subgroup"])] if isinstance(js[i], dict) and js[i].get("subgroup") else [] for i in idx]
         else:
             caps = inp.meta(sizes=False)["caption"]
-            lines = Path(opts["entries"]).read_text(encoding="utf-8").splitlines()
+            lines = opts["entry_lines"]
             entries = curate.match_entries([caps[i] for i in idx], lines)
         keep, counts = curate.balance_mask(entries, [keys[i] for i in idx], opts["cap"], opts["seed"])
         return keep, {"by": by, "cap": opts["cap"], "entries": len(counts), "over_cap": sum(c > opts["cap"] for c in counts.values()),
@@ -297,10 +333,32 @@ def filter_dataset(data: str, out: str | None = None, *, overwrite: bool = False
     if not rules:
         raise FilterError("no rule given: add --score teacher, --dedup, --balance, --basic, --language, --decontaminate "
                           "or --uids")
+    if opts.get("uids"):
+        opts["uid_set"] = _read_uids(opts["uids"])
+    if opts.get("entries"):
+        opts["entry_lines"] = _read_entries(opts["entries"])
     inp = Inputs(data, embeddings, teacher)
+    # the filter's manifest: a file of --out is replaced or deleted only while its bytes are the ones the
+    # earlier list recorded writing (its "digests"), whatever else keep.json names
+    recorded = (old or {}).get("digests") if isinstance((old or {}).get("digests"), dict) else {}
+    ours = {f for f, sha in recorded.items() if isinstance(f, str) and "/" not in f and f not in (KEEP, "")
+            and file_digest(out_dir / f) == sha}
+    names = [n + suffix for n in inp.names for suffix in (POSITIONS, KEYS)]
+    foreign = [f for f in names if (out_dir / f).exists() and f not in ours]
+    if foreign:
+        raise FilterError(f"--out {out_dir} holds {foreign[0]} ({len(foreign)} file(s)) that no earlier filter wrote "
+                          "there (or that changed since): the keep-list would replace it. Move it away or give "
+                          "another --out")
     alive = np.ones(inp.n, dtype=bool)
     record, removed = [], {}
     for name in rules:
+        bad = _unusable(name, inp, opts)
+        if bad is not None and (bad & alive).any():
+            n = int((bad & alive).sum())
+            removed["nonfinite_rows"] = removed.get("nonfinite_rows", 0) + n
+            alive &= ~bad
+            log.warning("%d sample(s) have NaN or infinite stored rows: removed before the %s rule (counted as "
+                        "nonfinite_rows); embed their shards again", n, name)
         reached = int(alive.sum())
         keep, settings = _rule(name, inp, alive, opts)
         idx = np.flatnonzero(alive)
@@ -311,22 +369,23 @@ def filter_dataset(data: str, out: str | None = None, *, overwrite: bool = False
     if (~inp.readable & alive).any():
         removed["unreadable"] = int((~inp.readable & alive).sum())
         alive &= inp.readable
+    if not alive.any():
+        said = ", ".join(f"{r}: {n}" for r, n in removed.items())
+        raise FilterError(f"the rules keep no sample of {inp.n} (removed by {said}): nothing written; loosen them")
     keys = inp.all_keys()
     out_dir.mkdir(parents=True, exist_ok=True)
-    shards, files = {}, []
+    shards, digests = {}, {}
     for k, (url, name) in enumerate(zip(inp.source.urls, inp.names)):
         a, b = int(inp.bounds[k]), int(inp.bounds[k + 1])
         pos = np.flatnonzero(alive[a:b])
-        files += write_shard(out_dir, name, pos, [keys[a + p] for p in pos])
+        digests.update(write_shard(out_dir, name, pos, [keys[a + p] for p in pos]))
         shards[name] = {"total": b - a, "kept": int(len(pos)), "bytes": shard_bytes(url),
                         "first_key": keys[a] if b > a else None, "digest": digest(pos)}
     index = {"format": FORMAT, "version": VERSION, "data": str(Path(data).resolve()), "rules": record,
              "removed": removed, "total": inp.n, "kept": int(alive.sum()), "seed": opts.get("seed", 0),
-             "seconds": round(time.time() - start, 1), "shards": shards, "files": sorted(files)}
-    # files of the replaced list that this one does not rewrite: only its shards' own two names, by its record
-    ours = {n + suffix for n in (old or {}).get("shards", {}) if "/" not in n for suffix in (KEYS, POSITIONS)}
-    stale = (set((old or {}).get("files", [])) & ours) - set(files)
-    write_json_atomic(out_dir / KEEP, index)
-    for f in stale:
+             "seconds": round(time.time() - start, 1), "shards": shards, "files": sorted(digests),
+             "digests": digests}
+    write_json_atomic(out_dir / KEEP, index, allow_nan=False)
+    for f in ours - set(digests):  # the earlier list's own files this one does not rewrite
         (out_dir / f).unlink(missing_ok=True)
     return index

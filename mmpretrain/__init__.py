@@ -15,4 +15,9 @@ def load(path: str, device: str = "cpu"):
     """
     from mmpretrain.models.load import load_model
 
-    return load_model(path, device=device)
+    try:
+        return load_model(path, device=device)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{path}: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None

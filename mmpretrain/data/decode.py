@@ -106,7 +106,7 @@ def caption_pool(raw: dict[str, Any]) -> tuple[list[str], list[float] | None]:
     if weights is not None:
         if (not isinstance(weights, list) or len(weights) != len(extra) + 1
                 or not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
-                           for w in weights) or sum(weights) <= 0):
+                           for w in weights) or not 0 < sum(weights) < math.inf):  # a sum can overflow
             raise SkipSample("bad_captions")
     return [c.strip() for c in extra], weights
 

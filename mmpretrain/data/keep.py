@@ -7,11 +7,14 @@ A keep-list folder ``LIST`` holds, per shard ``NAME.tar`` of the dataset it was 
     LIST/
       keep.json          {"format": "mmpretrain-keep-list", "version", "data", "rules": [{rule, settings,
                           removed}], "removed": {rule: count}, "total", "kept",
-                          "shards": {NAME.tar: {total, kept, bytes, first_key, digest}}, "files": [...]}
+                          "shards": {NAME.tar: {total, kept, bytes, first_key, digest}}, "files": [...],
+                          "digests": {file: sha1 of the bytes written}}
       NAME.tar.keep.txt  the kept samples' keys, one a line, in the shard's order
       NAME.tar.keep.npy  int64 (kept,): their positions in the shard (0-based, ascending)
 
-``removed`` counts each sample once, under the first rule (in ``rules`` order) that removed it. The
+``removed`` counts each sample once, under the first rule (in ``rules`` order) that removed it.
+``digests`` is the filter's manifest: a later ``filter --out`` replaces or deletes a file of the folder
+only when its bytes are still the ones recorded there, whatever else a hand-edited ``keep.json`` says. The
 positions let the stream seek to a kept sample without reading the shard's keys first; the keys are
 checked when a kept sample is read. ``bytes`` and ``first_key`` fingerprint the shard the list was
 made from, so a list meets a rebuilt shard as one clear error at setup, never as other samples.
@@ -30,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from mmpretrain.data.sidecar import join, read_folder_json, shard_bytes
+from mmpretrain.data.sidecar import join, load_folder_json, load_npy, shard_bytes, whole
 from mmpretrain.data.urls import is_local, open_url, shard_path
 
 log = logging.getLogger("mmpretrain.data")
@@ -46,20 +49,26 @@ def digest(positions: np.ndarray) -> str:
     return hashlib.sha1(np.ascontiguousarray(positions, dtype=np.int64).tobytes()).hexdigest()[:16]
 
 
-def write_shard(folder: Path, name: str, positions: np.ndarray, keys: list[str]) -> list[str]:
-    """One shard's two files (temporary file + rename each); returns their names."""
-    positions = np.asarray(positions, dtype=np.int64)
-    out = []
-    for suffix, data in ((POSITIONS, None), (KEYS, "".join(k + "\n" for k in keys).encode("utf-8"))):
+def file_digest(path: Path) -> str | None:
+    """The sha1 of a file's bytes (what ``keep.json``'s ``digests`` records of each file it wrote); None when
+    there is no such file."""
+    try:
+        return hashlib.sha1(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def write_shard(folder: Path, name: str, positions: np.ndarray, keys: list[str]) -> dict[str, str]:
+    """One shard's two files (temporary file + rename each); returns ``{file name: sha1 of its bytes}``."""
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(positions, dtype=np.int64), allow_pickle=False)
+    out = {}
+    for suffix, data in ((POSITIONS, buf.getvalue()), (KEYS, "".join(k + "\n" for k in keys).encode("utf-8"))):
         final = folder / (name + suffix)
         tmp = final.with_name(final.name + ".tmp")
-        with open(tmp, "wb") as f:
-            if data is None:
-                np.save(f, positions, allow_pickle=False)
-            else:
-                f.write(data)
+        tmp.write_bytes(data)
         os.replace(tmp, final)
-        out.append(final.name)
+        out[final.name] = hashlib.sha1(data).hexdigest()
     return out
 
 
@@ -68,19 +77,40 @@ def read_list(folder: str) -> dict[str, Any]:
     if is_local(folder) and not Path(folder).is_dir():
         raise FileNotFoundError(f"data.keep: {folder} is not a folder; write a keep-list with `python -m data_tools "
                                 "filter DATA --out LIST ...`")
-    index = read_folder_json(folder, KEEP)
+    where = join(folder, KEEP)
+    try:
+        index = load_folder_json(folder, KEEP)
+    except ValueError as e:
+        raise ValueError(f"data.keep: {e}; run `python -m data_tools filter` again") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("shards"), dict):
-        raise ValueError(f"data.keep: {join(folder, KEEP)} is missing or not a keep-list's index; write one with "
+        raise ValueError(f"data.keep: {where} is missing or not a keep-list's index; write one with "
                          "`python -m data_tools filter DATA --out LIST ...`")
-    if index.get("version", 0) > VERSION:
-        raise ValueError(f"data.keep: {join(folder, KEEP)} has version {index['version']}; this mmpretrain reads "
-                         f"up to {VERSION}: upgrade mmpretrain")
+    problem = _problem(index)
+    if problem:
+        raise ValueError(f"data.keep: {where}: {problem}: the file was edited or damaged; run `python -m data_tools "
+                         "filter` again")
+    if index["version"] > VERSION:
+        raise ValueError(f"data.keep: {where} has version {index['version']}; this mmpretrain reads up to {VERSION}: "
+                         "upgrade mmpretrain")
     return index
 
 
+def _problem(index: dict[str, Any]) -> str | None:
+    """What is wrong with a keep.json's fields (the key and its value), None when they are sound."""
+    if not whole(index.get("version"), 1):
+        return f"version is {index.get('version')!r}, not a whole number"
+    for name, rec in index["shards"].items():
+        if not isinstance(rec, dict):
+            return f"shards.{name} is {rec!r}, not an object"
+        for key, ok in (("total", whole), ("kept", whole), ("bytes", lambda v: v is None or whole(v)),
+                        ("first_key", lambda v: v is None or isinstance(v, str))):
+            if not ok(rec.get(key)):
+                return f"shards.{name}.{key} is {rec.get(key)!r}, not {'a string' if key == 'first_key' else 'a whole number'}"
+    return None
+
+
 def _load_positions(folder: str, name: str) -> np.ndarray:
-    with open_url(join(folder, name + POSITIONS)) as f:
-        return np.load(io.BytesIO(f.read()), allow_pickle=False)
+    return load_npy(join(folder, name + POSITIONS))
 
 
 def load_keys(folder: str, name: str) -> list[str]:
@@ -144,9 +174,8 @@ def attach_keep(sources: list, spec: str | None) -> None:
                                  "shard was rebuilt; run `python -m data_tools filter` again")
             try:
                 pos = _load_positions(folder, name)
-            except (OSError, ValueError, EOFError) as e:
-                raise ValueError(f"data.keep: {join(folder, name + POSITIONS)} is unreadable ({e.__class__.__name__}: "
-                                 f"{e}); run `python -m data_tools filter` again") from None
+            except ValueError as e:  # load_npy's words name the file
+                raise ValueError(f"data.keep: {e}; run `python -m data_tools filter` again") from None
             ok = (pos.ndim == 1 and np.issubdtype(pos.dtype, np.integer) and len(pos) == record.get("kept")
                   and (len(pos) == 0 or (pos[0] >= 0 and pos[-1] < total and bool(np.all(np.diff(pos) > 0)))))
             if not ok:

@@ -17,13 +17,15 @@ SIZES = "sizes.json"
 MANIFEST = "manifest.json"
 
 
-def write_json_atomic(path: str | Path, data: Any) -> None:
-    """Write JSON through a temporary file and rename, so a reader never sees half a file."""
+def write_json_atomic(path: str | Path, data: Any, allow_nan: bool = True) -> None:
+    """Write JSON through a temporary file and rename, so a reader never sees half a file. ``allow_nan``
+    False: strict JSON (a NaN or infinity is a ValueError before anything is written)."""
     path = Path(path)
+    text = json.dumps(data, indent=2, sort_keys=False, allow_nan=allow_nan)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=False)
+        f.write(text)
         f.write("\n")
     os.replace(tmp, path)
 

@@ -70,16 +70,61 @@ def join(folder: str, name: str) -> str:
     return str(Path(folder) / name) if is_local(folder) else posixpath.join(folder, name)
 
 
-def read_folder_json(emb_dir: str, name: str) -> Any:
-    """The JSON file ``name`` of the (local or fsspec) folder ``emb_dir``; None when unreadable."""
+def load_folder_json(emb_dir: str, name: str) -> Any:
+    """The JSON file ``name`` of the (local or fsspec) folder ``emb_dir``: None when there is none; a
+    ValueError naming the file when it cannot be read or is not JSON (cut short, edited)."""
     url = join(emb_dir, name)
     try:
         if is_local(emb_dir):
             return json.loads(Path(url).read_text())
         with open_url(url) as f:
             return json.loads(f.read())
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return None
+    except OSError as e:
+        raise ValueError(f"{url} cannot be read ({e.__class__.__name__}: {e})") from None
+    except ValueError as e:  # json's errors and UnicodeDecodeError
+        raise ValueError(f"{url} is not valid JSON (cut short or edited: {e})") from None
+
+
+def read_folder_json(emb_dir: str, name: str) -> Any:
+    """:func:`load_folder_json`, None also when the file is unreadable."""
+    try:
+        return load_folder_json(emb_dir, name)
+    except ValueError:
+        return None
+
+
+def whole(value: Any, least: int = 0) -> bool:
+    """``value`` is an int (not a bool) of at least ``least``: what a count in our JSON files must be."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+NPY_MAGIC = b"\x93NUMPY"
+
+
+def load_npy(url: str) -> np.ndarray:
+    """A ``.npy`` file's array, never unpickled; a ValueError naming the file and what is wrong with it
+    (numpy's own words advise loading a pickle "unsafely", or call random bytes pickled data)."""
+    try:
+        with open_url(url) as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise ValueError(f"{url} is missing") from None
+    except OSError as e:
+        raise ValueError(f"{url} cannot be read ({e.__class__.__name__}: {e})") from None
+    if not data.startswith(NPY_MAGIC):
+        raise ValueError(f"{url} is not a .npy array file ({'empty' if not data else 'it lacks the .npy header'}: "
+                         "replaced, cut at its start, or another format)")
+    try:
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    except ValueError as e:
+        if "allow_pickle" in str(e) or "Object arrays" in str(e):
+            raise ValueError(f"{url} holds pickled Python objects, not an array of numbers (never loaded: "
+                             "unpickling can run code)") from None
+        raise ValueError(f"{url} is a damaged .npy file ({e})") from None
+    except (EOFError, OSError):
+        raise ValueError(f"{url} is a .npy file cut short") from None
 
 
 def read_index(emb_dir: str) -> dict[str, Any] | None:
@@ -125,9 +170,8 @@ def write_shard(emb_dir: Path, name: str, keys: list[str], embs: np.ndarray,
 
 
 def load_rows(emb_dir: str, name: str) -> np.ndarray:
-    """The embedding rows of shard ``name`` (never unpickled)."""
-    with open_url(join(emb_dir, name + EMB_SUFFIX)) as f:
-        return np.load(io.BytesIO(f.read()), allow_pickle=False)
+    """The embedding rows of shard ``name`` (never unpickled; :func:`load_npy`)."""
+    return load_npy(join(emb_dir, name + EMB_SUFFIX))
 
 
 class ShardEmbeddings:
@@ -144,14 +188,16 @@ class ShardEmbeddings:
         self.reason: str | None = None
         try:
             self._load(emb_dir, url, expected, index)
-        except (OSError, ValueError, EOFError) as e:  # truncated, not .npy, unreadable
-            self.reason = f"unreadable ({e.__class__.__name__}: {e})"
+        except ValueError as e:  # load_npy: missing, truncated, not .npy, a pickle (its words name the file)
+            self.reason = str(e)
+        except (OSError, UnicodeDecodeError) as e:  # the keys file
+            self.reason = f"{self.name + KEYS_SUFFIX} unreadable ({e.__class__.__name__}: {e})"
         if self.reason:
             self.rows = None
         if self.reason and self.name not in self.warned:
             self.warned.add(self.name)
-            log.warning("embeddings %s: %s; the shard's %d sample(s) count as missing_embedding (run "
-                        "`python -m data_tools embed` again)", self.where, self.reason, expected)
+            log.warning("caption embeddings of %s: %s; the shard's %d sample(s) count as missing_embedding (run "
+                        "`python -m data_tools embed` again)", url, self.reason, expected)
 
     def _load(self, emb_dir: str, url: str, expected: int, index: dict[str, Any]) -> None:
         record = index["shards"].get(self.name)
@@ -180,8 +226,7 @@ class ShardEmbeddings:
     def _load_extra(self, emb_dir: str, dim: int, n_extra: int, expected: int) -> None:
         arrays = []
         for suffix in EXTRA_SUFFIXES:
-            with open_url(join(emb_dir, self.name + suffix)) as f:
-                arrays.append(np.load(io.BytesIO(f.read()), allow_pickle=False))
+            arrays.append(load_npy(join(emb_dir, self.name + suffix)))
         rows, offsets = arrays
         if rows.ndim != 2 or rows.dtype.kind != "f" or rows.shape != (n_extra, dim):
             self.reason = f"extra captions' rows of shape {rows.shape}, {INDEX} says ({n_extra}, {dim})"

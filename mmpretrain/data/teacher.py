@@ -33,7 +33,6 @@ teacher rows: each is counted as ``missing_teacher``, the reason logged once per
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import os
 import posixpath
@@ -43,7 +42,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from mmpretrain.data.sidecar import join, read_folder_json, shard_bytes
+from mmpretrain.data.sidecar import join, load_folder_json, load_npy, read_folder_json, shard_bytes, whole
 from mmpretrain.data.urls import open_url, shard_path
 
 log = logging.getLogger("mmpretrain.data")
@@ -68,11 +67,48 @@ def teacher_id(model: str, pretrained: str | None = None) -> str:
     return f"{base}-{hashlib.blake2b(full.encode(), digest_size=4).hexdigest()}"
 
 
+def index_problem(data: Any) -> str | None:
+    """What is wrong with a ``teachers.json``'s content (the key and its value), None when it is sound."""
+    if not isinstance(data, dict) or not isinstance(data.get("augmentations"), dict):
+        return "has no 'augmentations' object"
+    if not whole(data["augmentations"].get("count")):
+        return f"augmentations.count is {data['augmentations'].get('count')!r}, not a whole number"
+    if not isinstance(data.get("teachers"), dict):
+        return "has no 'teachers' object"
+    for tid, block in data["teachers"].items():
+        if not isinstance(block, dict) or not isinstance(block.get("model"), str):
+            return f"teachers.{tid} has no 'model' name"
+        if not whole(block.get("dim"), 1):
+            return f"teachers.{tid}.dim is {block.get('dim')!r}, not a positive whole number"
+        if not isinstance(block.get("shards"), dict):
+            return f"teachers.{tid} has no 'shards' object"
+        for name, rec in block["shards"].items():
+            bad = next((k for k in ("count", "extra") if not isinstance(rec, dict) or not whole(rec.get(k))), None)
+            if bad is None and not (rec.get("bytes") is None or whole(rec["bytes"])):
+                bad = "bytes"
+            if bad:
+                got = rec.get(bad) if isinstance(rec, dict) else rec
+                return f"teachers.{tid}.shards.{name}.{bad} is {got!r}, not a whole number"
+    return None
+
+
+def teachers_problem(emb_dir: str, fix: bool = True) -> str | None:
+    """Why ``emb_dir``'s ``teachers.json`` cannot be used, naming the file (and with ``fix``, the fix); None
+    when it is sound or absent."""
+    try:
+        data = load_folder_json(emb_dir, TEACHERS)
+        problem = index_problem(data) if data is not None else None
+        what = f"{join(emb_dir, TEACHERS)} {problem}: the file was edited or damaged" if problem else None
+    except ValueError as e:
+        what = str(e)
+    return what and what + ("; embed the shards again (`python -m data_tools embed DATA --image-model M`)" if fix else "")
+
+
 def read_teachers(emb_dir: str) -> dict[str, Any] | None:
-    """``teachers.json`` of ``emb_dir``, or None when there is none readable."""
+    """``teachers.json`` of ``emb_dir``, or None when there is none, or none sound (:func:`teachers_problem`
+    says why)."""
     data = read_folder_json(emb_dir, TEACHERS)
-    ok = isinstance(data, dict) and isinstance(data.get("teachers"), dict) and isinstance(data.get("augmentations"), dict)
-    return data if ok else None
+    return data if data is not None and index_problem(data) is None else None
 
 
 def save_npy(path: Path, array: np.ndarray) -> None:
@@ -83,9 +119,13 @@ def save_npy(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def _load(emb_dir: str, name: str) -> np.ndarray:
-    with open_url(join(emb_dir, name)) as f:
-        return np.load(io.BytesIO(f.read()), allow_pickle=False)
+def _load(emb_dir: str, name: str, kinds: str = "f") -> np.ndarray:
+    """A shard file's array (:func:`~mmpretrain.data.sidecar.load_npy`), of numbers of the ``kinds`` given
+    (numpy's dtype kinds: "f" floats, "iu" integers)."""
+    array = load_npy(join(emb_dir, name))
+    if array.dtype.kind not in kinds:
+        raise ValueError(f"{name} holds {array.dtype} values, not {'floats' if kinds == 'f' else 'integers'}")
+    return array
 
 
 class TeacherRows(NamedTuple):
@@ -104,26 +144,31 @@ class ShardTeachers:
     def __init__(self, emb_dir: str, url: str, expected: int, index: dict[str, Any], tids: list[str],
                  warned: set[str]):
         self.name = posixpath.basename(shard_path(url))
-        self.where = join(emb_dir, self.name + CROPS)
-        self.reason: str | None = None
+        self.where = f"teacher rows of {self.name} in {emb_dir}"
+        self.reason: str | None = None  # what is wrong, naming the file
         self.keys: list[str] = []
         try:
             self._load(emb_dir, url, expected, index, tids)
-        except (OSError, ValueError, EOFError) as e:
-            self.reason = f"unreadable ({e.__class__.__name__}: {e})"
+        except ValueError as e:  # _load / load_npy: the file and what is wrong with it
+            self.reason = str(e)
+        except (OSError, UnicodeDecodeError) as e:  # the keys file
+            self.reason = f"{self.name + KEYS} unreadable ({e.__class__.__name__}: {e})"
         if self.reason and self.name not in warned:
             warned.add(self.name)
-            log.warning("teacher rows %s: %s; the shard's %d sample(s) count as missing_teacher (run `python -m "
-                        "data_tools embed --image-model` again)", self.where, self.reason, expected)
+            log.warning("%s: %s; the shard's %d sample(s) count as missing_teacher (run `python -m data_tools "
+                        "embed --image-model` again)", self.where, self.reason, expected)
 
     def _load(self, emb_dir: str, url: str, expected: int, index: dict[str, Any], tids: list[str]) -> None:
         k = int(index["augmentations"]["count"])
         with open_url(join(emb_dir, self.name + KEYS)) as f:
             keys = f.read().decode("utf-8").splitlines()
-        crops, counts = _load(emb_dir, self.name + CROPS), _load(emb_dir, self.name + COUNTS)
+        crops, counts = _load(emb_dir, self.name + CROPS, "iu"), _load(emb_dir, self.name + COUNTS, "iu")
         if len(keys) != expected or crops.shape != (expected, 1 + k, 4) or counts.shape != (expected,):
             self.reason = (f"{len(keys)} keys, crops of shape {crops.shape} and {counts.shape[0]} caption counts for "
                            f"a shard of {expected} samples at K = {k}")
+            return
+        if (counts < 0).any():
+            self.reason = f"{self.name + COUNTS} holds negative caption counts"
             return
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         images, texts, extras = [], [], []
@@ -183,6 +228,9 @@ def attach_teachers(sources: list, spec: str | None) -> list[int]:
     for source, d in zip(sources, dirs):
         emb_dir = d or posixpath.dirname(shard_path(source.urls[0])) or "."
         index = read_teachers(emb_dir)
+        problem = teachers_problem(emb_dir) if index is None else None
+        if problem:
+            raise ValueError(f"data.train source {source.spec}: {problem}")
         if index is None or not index["teachers"]:
             raise ValueError(f"data.train source {source.spec}: the objective distills from a teacher, but {emb_dir} "
                              f"holds no {TEACHERS}: embed the shards with one (`python -m data_tools embed "

@@ -56,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         data = [load_task_data(d, t) for d, t in zip(args.dataset, tasks)]
         from mmpretrain.models.load import load_model
 
-        model, preprocess, tokenizer = load_model(args.model, device=device, pretrained=args.pretrained)
+        try:
+            model, preprocess, tokenizer = load_model(args.model, device=device, pretrained=args.pretrained)
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"--model {args.model}: {e}") from None
         if args.templates:
             templates = named_templates(args.templates)
             for ds in data:

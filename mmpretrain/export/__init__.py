@@ -88,10 +88,17 @@ def export(run_dir: str | Path, out: str | Path, *, fmt: str = "open_clip", towe
                           "it writes a CLIPVisionModelWithProjection")
     if files.latest_checkpoint() is None:
         raise ExportError(f"{run_dir} has no complete checkpoint (checkpoints/step_*/train_state.json)")
+    if not files.model_config.is_file():
+        raise ExportError(f"{run_dir} has no model_config.json (the architecture its checkpoints were trained with): "
+                          "it is not a run folder `python -m mmpretrain.train` wrote, or the file was removed; put "
+                          "the run's model_config.json back")
     previous = check_out(files.root, out, overwrite)
-    from mmpretrain.models.load import load_run_clip
+    from mmpretrain.models.load import WeightsError, load_run_clip
 
-    clip, model_cfg, preprocess_cfg = load_run_clip(files.root)
+    try:
+        clip, model_cfg, preprocess_cfg = load_run_clip(files.root)
+    except WeightsError as e:
+        raise ExportError(f"{files.latest_checkpoint()}: {e}") from None
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))  # ours alone to delete
     try:

@@ -4,14 +4,36 @@ pretrained tag."""
 
 from __future__ import annotations
 
+import contextlib
+import pickle
 from pathlib import Path
 
 import open_clip
 from open_clip.transform import PreprocessCfg, image_transform_v2
+from safetensors import SafetensorError
 from torch import nn
 
 from mmpretrain.models.factory import instantiate, make_tokenizer, register_packaged_configs
 from mmpretrain.run_files import RunFolder, checkpoint_clip_weights
+
+
+class WeightsError(ValueError):
+    """Weights on disk that cannot be loaded."""
+
+
+@contextlib.contextmanager
+def readable_weights():
+    """Weights that cannot be loaded -> ValueError saying why and the fix (not naming the path: the caller
+    does): a pickle holding more than tensors (never unpickled), a damaged safetensors file."""
+    try:
+        yield
+    except pickle.UnpicklingError:
+        raise WeightsError("its weights file holds pickled objects other than tensors and was not loaded (unpickling "
+                         "them can run code); export the model again (`python -m mmpretrain.export` writes "
+                         "safetensors)") from None
+    except SafetensorError as e:
+        raise WeightsError(f"its weights are not a readable safetensors file ({e}): the file is damaged or cut short; "
+                         "export or train it again") from None
 
 
 def load_run_clip(run_dir: str | Path, device: str = "cpu") -> tuple[nn.Module, dict, dict]:
@@ -19,16 +41,24 @@ def load_run_clip(run_dir: str | Path, device: str = "cpu") -> tuple[nn.Module, 
     files = RunFolder(Path(run_dir))
     ckpt = files.latest_checkpoint()
     if ckpt is None:
-        raise FileNotFoundError(f"{run_dir} has no complete checkpoint under checkpoints/step_*/")
+        raise FileNotFoundError("no complete checkpoint under checkpoints/step_*/")
     model_cfg, preprocess_cfg = files.read_model_config()
     clip = instantiate(model_cfg, load_text_weights=False)
-    clip.load_state_dict(checkpoint_clip_weights(ckpt), strict=True)
+    with readable_weights():
+        clip.load_state_dict(checkpoint_clip_weights(ckpt), strict=True)
     return clip.to(device).eval(), model_cfg, preprocess_cfg
 
 
 def load_model(path: str, device: str = "cpu", pretrained: str | None = None):
     """``(model, preprocess, tokenizer)`` from a run folder, an export folder (``local-dir:`` too),
-    ``hf-hub:ID``, or an open_clip architecture name with ``pretrained``."""
+    ``hf-hub:ID``, or an open_clip architecture name with ``pretrained``. What cannot be loaded is a
+    FileNotFoundError / ValueError saying why and the fix, not naming ``path`` (the caller names it with its
+    flag): no such model, damaged weights, a pickle holding more than tensors (never unpickled)."""
+    with readable_weights():
+        return _load_model(path, device, pretrained)
+
+
+def _load_model(path: str, device: str, pretrained: str | None):
     register_packaged_configs()
     spec = str(path)
     if spec.startswith("hf-hub:"):
@@ -44,14 +74,10 @@ def load_model(path: str, device: str = "cpu", pretrained: str | None = None):
         preprocess = image_transform_v2(PreprocessCfg(**preprocess_cfg), is_train=False)
         return clip, preprocess, make_tokenizer(model_cfg)
     if spec.startswith("local-dir:") or folder.exists():
-        raise FileNotFoundError(
-            f"{folder} is neither a run folder (model_config.json + checkpoints/) nor an export folder "
-            "(open_clip_config.json)"
-        )
+        raise FileNotFoundError("neither a run folder (model_config.json + checkpoints/) nor an export folder "
+                                "(open_clip_config.json)")
     if spec in open_clip.list_models():
         model, _, preprocess = open_clip.create_model_and_transforms(spec, pretrained=pretrained, device=device)
         return model.eval(), preprocess, open_clip.get_tokenizer(spec)
-    raise ValueError(
-        f"--model {spec!r}: not a folder, not hf-hub:ID, and not an open_clip architecture "
-        "(see open_clip.list_models())"
-    )
+    raise ValueError("no such folder, not hf-hub:ID, and not an open_clip architecture (see "
+                     "open_clip.list_models())")
