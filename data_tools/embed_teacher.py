@@ -274,8 +274,8 @@ def embed_teachers(path: str | Path, models: list[str], *, pretrained: str | Non
            "ratio": [float(r) for r in ratio], "sampler": SAMPLER}
     for _, emb_dir, _ in jobs:  # refuse before loading anything
         if (emb_dir / TEACHERS).exists() and read_teachers(str(emb_dir)) is None:
-            raise EmbedError(f"{teachers_problem(str(emb_dir), fix=False)}: it is left as it is; move it away, or "
-                             "choose another --out")
+            raise EmbedError(f"{teachers_problem(str(emb_dir), fix=False)}, or is not an index embed wrote; it is "
+                             "left as it is: move it away, or choose another --out")
         old = (read_teachers(str(emb_dir)) or {}).get("augmentations")
         if old and old != aug and not overwrite:
             raise EmbedError(f"{emb_dir / TEACHERS} records teachers that saw other crops ({_describe(old)}); this "

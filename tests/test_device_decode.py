@@ -228,8 +228,9 @@ def test_a_shard_where_no_image_decodes_trains_on_the_device_path(tmp_path):
     photos = make_jpegs(32, seed=7, short_side=(96, 128))
     photos[:16] = [(c, bad_huffman(j)) for c, j in photos[:16]]
     write_shards(photos, tmp_path / "data", per_shard=16)
+    # unshuffled: two whole batches of the bad shard
     r = train(tmp_path / "data", tmp_path / "run", *TEACHER, "train.epochs=1", "train.steps=null", "data.batch_size=8",
-              "train.log_every=1", "data.decode=device")
+              "train.log_every=1", "data.decode=device", "data.shuffle_buffer=0")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
     last = json.loads((tmp_path / "run" / "log.jsonl").read_text().splitlines()[-1])
     assert last["step"] == 4 and last["skipped"]["undecodable_image"] == 16, last

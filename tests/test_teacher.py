@@ -78,8 +78,19 @@ def test_embed_resumes_adds_a_second_teacher_and_refuses_other_crops(teacher_dat
     again = run_main("data_tools", "embed", str(data), "--image-model", str(teacher_data["teacher"]),
                      "--augmentations", str(K))
     assert again.returncode == 0 and json.loads(again.stdout)["teachers"][0]["shards"] == 0  # all done: skipped
-    other = teacher_data["root"] / "teacher2"
-    shutil.copytree(teacher_data["teacher"], other)  # an ensemble's second member (here, the same weights)
+    copy = tmp_path / "teacher_copy"
+    shutil.copytree(teacher_data["teacher"], copy)  # the same weights under another path: refused, nothing written
+    before = {p.name: p.read_bytes() for p in data.iterdir() if p.is_file()}
+    r = run_main("data_tools", "embed", str(data), "--image-model", str(copy), "--augmentations", str(K))
+    assert r.returncode == 2 and "already holds this teacher" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert {p.name: p.read_bytes() for p in data.iterdir() if p.is_file()} == before
+    other = tmp_path / "teacher2"  # an ensemble's second member: other weights
+    shutil.copytree(teacher_data["teacher"], other)
+    for ckpt in other.glob("checkpoints/*/model.safetensors"):
+        from safetensors.torch import load_file, save_file
+
+        weights = load_file(ckpt)
+        save_file({k: v * 1.01 if v.is_floating_point() else v for k, v in weights.items()}, str(ckpt))
     crops_before = np.load(data / (sorted(_index(data)[1]["teachers"][first]["shards"])[0] + CROPS))
     r = run_main("data_tools", "embed", str(data), "--image-model", str(other), "--augmentations", str(K))
     assert r.returncode == 0, r.stderr[-2000:]
