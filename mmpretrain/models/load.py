@@ -5,8 +5,8 @@ pretrained tag."""
 from __future__ import annotations
 
 import contextlib
-import pickle
 from pathlib import Path
+from pickle import UnpicklingError
 
 import open_clip
 from open_clip.transform import PreprocessCfg, image_transform_v2
@@ -27,7 +27,7 @@ def readable_weights():
     does): a pickle holding more than tensors (never unpickled), a damaged safetensors file."""
     try:
         yield
-    except pickle.UnpicklingError:
+    except UnpicklingError:
         raise WeightsError("its weights file holds pickled objects other than tensors and was not loaded (unpickling "
                          "them can run code); export the model again (`python -m mmpretrain.export` writes "
                          "safetensors)") from None
