@@ -352,30 +352,3 @@ def extract_images(dataset: Path, shards: int, dest: Path) -> list[tuple[str, st
                 (dest / name).write_bytes(data)
                 rows.append((members[name[:-4] + ".txt"].decode(), name))
     return rows
-
-
-# ------------------------------------------------------------------ JPEGs whose data do not cover their frame
-
-
-def cut_short(jpg: bytes, keep: float = 0.5) -> bytes:
-    """``jpg`` with its entropy-coded data cut to ``keep`` and an EOI marker after, as long as before (the
-    bytes cut ride in COM segments after SOI, so a shard patched in place keeps its size)."""
-    from mmpretrain.data.jpeg import read_frame
-
-    start = read_frame(jpg).scan_start
-    cut = start + int((len(jpg) - start) * keep)
-    while 0 < len(jpg) - cut - 2 < 4:  # a COM segment takes at least 4 bytes
-        cut -= 1
-    body = jpg[:cut] + b"\xff\xd9"
-    pad, coms = len(jpg) - len(body), b""
-    while pad:
-        n = min(pad, 65537) - (4 if 0 < pad - min(pad, 65537) < 4 else 0)
-        coms += b"\xff\xfe" + (n - 2).to_bytes(2, "big") + b"\0" * (n - 4)
-        pad -= n
-    return body[:2] + coms + body[2:]
-
-
-def lying(jpg: bytes, size: int = 8000) -> bytes:
-    """``jpg`` with its frame header claiming ``size`` x ``size`` (same length)."""
-    sof = next(jpg.index(m) for m in (b"\xff\xc0", b"\xff\xc2") if m in jpg)
-    return jpg[:sof + 5] + size.to_bytes(2, "big") * 2 + jpg[sof + 9:]

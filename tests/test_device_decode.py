@@ -19,7 +19,7 @@ from mmpretrain.data.decode import SampleDecoder, augmentation_seed
 from mmpretrain.data.device_decode import KEYS, DeviceDecoder
 from mmpretrain.data.jpeg import device_jpeg
 from mmpretrain.data.stream import collate
-from mmpretrain.testing.photos import make_jpegs
+from mmpretrain.testing.photos import bad_huffman, make_jpegs
 
 from conftest import TEXT_MODEL, run_main, setup_run, train
 
@@ -28,13 +28,6 @@ def _jpeg(img: Image.Image, **kw) -> bytes:
     buf = io.BytesIO()
     img.save(buf, "JPEG", **kw)
     return buf.getvalue()
-
-
-def bad_huffman(jpg: bytes) -> bytes:
-    """The same JPEG, same length, with its first Huffman table's code counts overwritten: the header
-    still reads as a baseline JPEG, but neither libjpeg (Pillow, torchvision) nor nvJPEG can decode it."""
-    j = jpg.index(b"\xff\xc4")
-    return jpg[:j + 5] + b"\xff" * 16 + jpg[j + 21:]
 
 
 def _raws(jpegs):

@@ -102,3 +102,19 @@ def test_bench_gpu_never_empties_a_site_folder_it_did_not_make(tmp_path):
                        env={**os.environ, "PYTHON": sys.executable, "MMPT_SITE": str(site), "OUT": str(tmp_path / "o")})
     assert r.returncode == 2 and "was not made by this script" in r.stderr and "MMPT_SITE" in r.stderr
     assert (site / "keep.txt").read_text() == "mine" and not (tmp_path / "o").exists()
+
+
+def test_the_jpeg_faults_section_holds_the_rule_on_the_cpu():
+    """The GPU check's jpeg_faults section on torchvision's CPU decoder (libjpeg): the cut JPEGs decode to
+    grey and are counted as truncated_jpeg, the broken one raises and is undecodable_image, the photo kept.
+    On CUDA the same section says what nvJPEG does with them."""
+    import argparse
+
+    import torch
+
+    from conftest import script
+
+    res = script("scripts/bench/gpu_bench.py").jpeg_faults_section(argparse.Namespace(), torch.device("cpu"))
+    assert res["rule_holds"], res
+    assert res["cut, ends in EOI"]["device decode_jpeg"] == "pixels, last block grey: True"
+    assert res["broken Huffman tables"]["device decode_jpeg"].startswith("raised")

@@ -1,7 +1,8 @@
 """Photo-like JPEGs for the loader's tests and benchmarks: the colour photos scikit-image and scikit-learn
 ship (read from their package files, nothing fetched), each JPEG a different random crop (area 30-100 %,
 aspect 1:1, 4:3, 3:2, 2:1 or portrait), flip and scale (shorter side 256-512 px), quality 90, as
-img2dataset writes web images. scikit-image is a dev dependency."""
+img2dataset writes web images; and JPEGs damaged as downloads and tools damage them (cut short but ending
+in EOI, a lying frame header, broken Huffman tables). scikit-image is a dev dependency."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from mmpretrain.data.jpeg import read_frame
 
 ASPECTS = (1.0, 4 / 3, 3 / 2, 2.0, 3 / 4, 2 / 3)
 
@@ -68,3 +71,35 @@ def write_shards(samples: list[tuple[str, bytes]], folder: Path, per_shard: int 
                 w.write({"__key__": f"{i:08d}", "jpg": jpg, "txt": caption})
         sizes[name] = len(samples[s:s + per_shard])
     (folder / "sizes.json").write_text(json.dumps(sizes))
+
+
+# ------------------------------------------------------------------ damaged JPEGs (tests, the GPU check)
+
+
+def cut_short(jpg: bytes, keep: float = 0.5) -> bytes:
+    """``jpg`` with its entropy-coded data cut to ``keep`` and an EOI marker after, as long as before (the
+    bytes cut ride in COM segments after SOI, so a shard patched in place keeps its size)."""
+    start = read_frame(jpg).scan_start
+    cut = start + int((len(jpg) - start) * keep)
+    while 0 < len(jpg) - cut - 2 < 4:  # a COM segment takes at least 4 bytes
+        cut -= 1
+    body = jpg[:cut] + b"\xff\xd9"
+    pad, coms = len(jpg) - len(body), b""
+    while pad:
+        n = min(pad, 65537) - (4 if 0 < pad - min(pad, 65537) < 4 else 0)
+        coms += b"\xff\xfe" + (n - 2).to_bytes(2, "big") + b"\0" * (n - 4)
+        pad -= n
+    return body[:2] + coms + body[2:]
+
+
+def lying(jpg: bytes, size: int = 8000) -> bytes:
+    """``jpg`` with its frame header claiming ``size`` x ``size`` (same length)."""
+    sof = next(jpg.index(m) for m in (b"\xff\xc0", b"\xff\xc2") if m in jpg)
+    return jpg[:sof + 5] + size.to_bytes(2, "big") * 2 + jpg[sof + 9:]
+
+
+def bad_huffman(jpg: bytes) -> bytes:
+    """The same JPEG, same length, with its first Huffman table's code counts overwritten: the header
+    still reads as a baseline JPEG, but neither libjpeg (Pillow, torchvision) nor nvJPEG can decode it."""
+    j = jpg.index(b"\xff\xc4")
+    return jpg[:j + 5] + b"\xff" * 16 + jpg[j + 21:]

@@ -1,6 +1,7 @@
 """The GPU check (run by scripts/bench/bench_gpu.sh on a lent GPU machine; its CPU path runs in `make test-slow`).
 
-    python scripts/bench/gpu_bench.py --data DATASET_DIR --out DIR [--sections step loss_memory precision engines kmeans]
+    python scripts/bench/gpu_bench.py --data DATASET_DIR --out DIR [--sections step jpeg_faults loss_memory precision
+                                                                             engines kmeans]
                                 [--model ViT-B-32] [--batch-size 256] [--steps 20] [--repeats 3]
                                 [--e2e-steps 20] [--e2e-images 4096] [--e2e-workers N] [--budget 240]
                                 [--loss-batch 65536] [--device cuda] [--precision bf16] [--peak-tflops N]
@@ -21,6 +22,10 @@ one H200) would end past --budget seconds is skipped and says so:
                Blocks alternate (ABBA) and the median of --repeats is reported. Then end to end
                (gpu_end_to_end.py): whole steps from --e2e-images photo JPEGs made on the machine (224 px),
                ours with data.decode=worker and data.decode=device against open_clip_train's loader + step.
+  jpeg_faults  the device decoder on a JPEG cut short (ending in EOI), a progressive one cut in its first
+               scan and one with broken Huffman tables: whether nvJPEG raises, fills with libjpeg's grey or
+               returns other pixels, and what DeviceDecoder counts (``rule_holds``: the truncated_jpeg rule
+               of mmpretrain/data/jpeg.py finds the cut ones on the device as on the host).
   loss_memory  peak CUDA memory above the inputs of one forward + backward of the tiled clip objective
                and of open_clip's ClipLoss at B = --loss-batch (D = 512).
   precision    every objective (tiled and not) under autocast in bf16 against fp32 on the device: relative
@@ -327,6 +332,58 @@ def kmeans_section(args, device) -> dict:
 
 # ---------------------------------------------------------------------------------------------- engines
 
+def jpeg_faults_section(args, device) -> dict:
+    """What the device's JPEG decoder (nvJPEG on CUDA) does with files whose data do not cover their frame
+    and with broken Huffman tables, and what DeviceDecoder counts: the truncated_jpeg rule
+    (mmpretrain/data/jpeg.py) rests on libjpeg's grey fill, seen on the host; here is whether the device
+    raises (then the host decodes it and the rule holds), fills with grey (it holds) or returns other
+    pixels (it does not)."""
+    import torch
+    import torchvision.io as tio
+
+    from mmpretrain.data.crop import ResizedCrop
+    from mmpretrain.data.decode import SampleDecoder
+    from mmpretrain.data.device_decode import DeviceDecoder
+    from mmpretrain.data.jpeg import FILL, tail_box
+    from mmpretrain.data.stream import collate
+    from mmpretrain.testing.photos import bad_huffman, cut_short, make_jpegs
+
+    photos = make_jpegs(3, seed=11, short_side=(224, 320))
+    prog = io_jpeg(photos[1][1], progressive=True)
+    cases = {"photo": photos[2][1], "cut, ends in EOI": cut_short(photos[2][1]),
+             "progressive, first scan cut": cut_short(prog, 0.03), "broken Huffman tables": bad_huffman(photos[2][1])}
+    crop = ResizedCrop(224, scale=(0.9, 1.0))
+    decoder, out = SampleDecoder(crop, embeddings="ignore", device_decode=True), {}
+    for name, jpg in cases.items():
+        try:
+            img = tio.decode_jpeg(torch.frombuffer(bytearray(jpg), dtype=torch.uint8), mode=tio.ImageReadMode.RGB,
+                                  device=device)
+            top, left, bottom, right = tail_box(img.shape[-2], img.shape[-1])
+            raw = f"pixels, last block grey: {bool((img[:, top:bottom, left:right] == FILL).all())}"
+        except RuntimeError as e:
+            raw = f"raised: {str(e).splitlines()[0][:200]}"
+        raws = [{"__key__": "anchor", "jpg": photos[0][1], "txt": b"a"}, {"__key__": "k", "jpg": jpg, "txt": b"a"}]
+        batch = collate([dict(decoder(r, 0, 0, anchor=i == 0), index=i) for i, r in enumerate(raws)])
+        shipped = "jpeg_slots" in batch
+        DeviceDecoder(crop, device)(batch)
+        out[name] = {"device decode_jpeg": raw, "shipped to the device": shipped,
+                     "counted": {k: v for k, v in batch.get("skipped", {}).items() if k != "repeated_in_batch"}}
+    want = {"photo": {}, "broken Huffman tables": {"undecodable_image": 1}}
+    out["rule_holds"] = all(out[n]["counted"] == want.get(n, {"truncated_jpeg": 1}) for n in cases)
+    return out
+
+
+def io_jpeg(jpg: bytes, **kw) -> bytes:
+    """``jpg`` saved again by Pillow with ``kw`` (e.g. progressive=True)."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.open(io.BytesIO(jpg)).save(buf, "JPEG", quality=90, **kw)
+    return buf.getvalue()
+
+
 def run_cmd(cmd: list[str], timeout: int) -> tuple[int, float, str]:
     t0 = time.perf_counter()
     try:
@@ -401,10 +458,10 @@ def engines_section(args, data: Path) -> dict:
 
 # ------------------------------------------------------------------------------------------------- main
 
-SECTIONS = ("step", "loss_memory", "precision", "engines", "kmeans")  # by value: what only a GPU can show first
+SECTIONS = ("step", "jpeg_faults", "loss_memory", "precision", "engines", "kmeans")  # by value: what only a GPU shows first
 # seconds each section is expected to take on one H200 at the defaults (the run's own budget check;
 # gpu.json records what each took, to correct these)
-ESTIMATE_S = {"step": 100, "loss_memory": 10, "precision": 15, "engines": 90, "kmeans": 25}
+ESTIMATE_S = {"step": 100, "jpeg_faults": 5, "loss_memory": 10, "precision": 15, "engines": 90, "kmeans": 25}
 VERSIONED = ("torch", "torchvision", "transformers", "accelerate", "open_clip_torch", "webdataset", "pydantic",
              "deepspeed", "timm", "scikit-learn", "scikit-image", "typing_extensions", "numpy")
 
@@ -505,6 +562,8 @@ def main() -> int:
                     from gpu_end_to_end import end_to_end
 
                     res["end_to_end"] = end_to_end(args, device, res["flops_per_step"]["ours"], res["peak_tflops"])
+            elif section == "jpeg_faults":
+                res = jpeg_faults_section(args, device)
             elif section == "loss_memory":
                 res = loss_memory_section(args, device)
             elif section == "precision":

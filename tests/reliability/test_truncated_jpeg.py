@@ -15,9 +15,7 @@ from mmpretrain.data.decode import SampleDecoder, SkipSample
 from mmpretrain.data.device_decode import DeviceDecoder
 from mmpretrain.data.jpeg import device_jpeg
 from mmpretrain.data.stream import collate
-from mmpretrain.testing.photos import make_jpegs
-
-from conftest import cut_short, lying
+from mmpretrain.testing.photos import cut_short, lying, make_jpegs
 
 
 def _jpeg(img: Image.Image, **kw) -> bytes:
