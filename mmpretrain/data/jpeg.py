@@ -12,7 +12,8 @@ download cut short that still ends in an EOI marker, or a header claiming 8000 x
    block needs a DC and an AC code), checked from the markers before decoding; or
 2. once decoded (by either path, at any DCT reduction), its last block -- the image's bottom-right
    8 x 8 pixels, which lie in the last MCU whatever the chroma subsampling -- is exactly mid-grey in every
-   channel (:func:`grey_tail`): the data ran out before it.
+   channel (:func:`check_tail`; the device path compares :func:`tail_box` on the device): the data
+   ran out before it.
 
 A real image whose bottom-right block is exactly (128, 128, 128) is skipped too (flat mid-grey
 graphics); a progressive JPEG cut after its first (DC) scan decodes to a blurrier whole picture and is

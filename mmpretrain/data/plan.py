@@ -136,7 +136,7 @@ class StreamPlan:
     def fill_segments(self, epoch: int, reader: int) -> list[Segment]:
         """Epoch mode: what a reader reads after its range and spares when bad samples left it short: the
         whole epoch's order from its own range's start, wrapping around (its own range first, then the
-        ranges after it). ``len`` of the epoch positions in all."""
+        ranges after it): each of the :attr:`total` positions once."""
         order, start = self.shard_order(epoch), self._start(epoch, reader)
         return self._slice(order, start, self.total) + self._slice(order, 0, start)
 

@@ -83,9 +83,8 @@ def index_problem(data: Any) -> str | None:
         if not isinstance(block.get("shards"), dict):
             return f"teachers.{tid} has no 'shards' object"
         for name, rec in block["shards"].items():
-            bad = next((k for k in ("count", "extra") if not isinstance(rec, dict) or not whole(rec.get(k))), None)
-            if bad is None and not (rec.get("bytes") is None or whole(rec["bytes"])):
-                bad = "bytes"
+            bad = "count" if not isinstance(rec, dict) or not whole(rec.get("count")) else next(
+                (k for k in ("extra", "bytes") if not (rec.get(k) is None or whole(rec[k]))), None)
             if bad:
                 got = rec.get(bad) if isinstance(rec, dict) else rec
                 return f"teachers.{tid}.shards.{name}.{bad} is {got!r}, not a whole number"
