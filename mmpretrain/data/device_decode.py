@@ -3,9 +3,10 @@
 The workers still read the shards, draw each sample's crop box (the same :class:`~mmpretrain.data.crop.
 CropSampler` and seed as ``data.decode=worker``, so the boxes, in the original image's pixels, are the same
 and an exact resume holds), tokenize and attach the sidecar rows; a JPEG the device decoder takes
-(:func:`device_jpeg`: baseline or progressive Huffman, 8-bit, grey or YCbCr, a complete file) travels as
-its bytes and box instead of pixels. Any other image (PNG, WebP, CMYK, an Adobe RGB transform, arithmetic
-coding, a truncated file) is decoded by the worker as before, so a batch can mix both.
+(:func:`mmpretrain.data.jpeg.device_jpeg`: baseline or progressive Huffman, 8-bit, grey or YCbCr, a
+complete file whose bytes can hold its frame) travels as its bytes and box instead of pixels. Any other
+image (PNG, WebP, CMYK, an Adobe RGB transform, arithmetic coding, a truncated file) is decoded by the
+worker as before, and so is the first image of every batch (its anchor), so a batch can mix both.
 
 On the device (:class:`DeviceDecoder`) the batch's JPEGs are decoded with torchvision's batched
 ``decode_jpeg(..., device=...)`` in chunks of ``chunk`` images (full-size uint8: ~0.6 MB for 512 x 384),
@@ -13,8 +14,9 @@ each box cropped and resized to the model input with the worker's kernel (bicubi
 written into the batch's (B, H, W, 3) uint8 images, which ``DeviceNormalize`` then normalises. A chunk
 whose batched decode raises is decoded image by image; an image the device cannot decode is decoded on
 the host with the worker's code (counted ``device_decode_fallback``); one nothing can decode is an
-``undecodable_image`` skip whose slot repeats another sample of the batch (counted ``repeated_in_batch``):
-every rank keeps its batch size. On CUDA, :class:`Prefetcher` decodes the next batch on a side stream
+``undecodable_image`` skip, and one whose decoded last block is libjpeg's grey fill a ``truncated_jpeg``
+skip (mmpretrain/data/jpeg.py's rule, as on the worker path), whose slot repeats the batch's first good
+sample -- at worst its anchor -- (counted ``repeated_in_batch``): every rank keeps its batch size. On CUDA, :class:`Prefetcher` decodes the next batch on a side stream
 while the current step runs.
 """
 
