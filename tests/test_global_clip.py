@@ -115,12 +115,17 @@ def test_u_update_follows_its_formula_and_moves_only_on_accepted_steps():
 
 def test_a_repeated_index_keeps_its_last_occurrence():
     index = torch.tensor([3, 5, 3, 7, 5, 3])
-    assert last_occurrence(index).tolist() == [False, False, False, True, True, True]
+    assert last_occurrence(index).tolist() == [5, 4, 5, 3, 4, 5]  # where each index occurs last
     obj = make(temperature_scheme="fixed")
     x, y = feats(3, b=6)
     s = torch.tensor(5.0, dtype=torch.float64)
     call(obj, x, y, s, index, epoch=1)
-    obj.commit_step()
+    before = obj.log_u_image.clone(), obj.log_u_text.clone()
+    obj.commit_step(torch.tensor(False))  # a step rejected on the device (train/nonfinite.py): nothing moves
+    for table, old in zip((obj.log_u_image, obj.log_u_text), before):  # unset entries are NaN
+        torch.testing.assert_close(table, old, rtol=0, atol=0, equal_nan=True)
+    call(obj, x, y, s, index, epoch=1)
+    obj.commit_step(torch.tensor(True))
     gi, _ = naive_g(x.detach(), y.detach(), s)
     assert obj.log_u_image[3].item() == pytest.approx(gi[5].log().item(), rel=1e-6)
     assert obj.log_u_image[5].item() == pytest.approx(gi[4].log().item(), rel=1e-6)
@@ -226,7 +231,7 @@ def test_options_are_checked():
                        ({"temperature_scheme": "individual"}, "per-sample"), ({"chunk_size": 64}, "chunk_size")]:
         with pytest.raises(ValueError, match=match):
             make(**bad)
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(RuntimeError, match="outside"):
         call(make(), *feats(0), torch.tensor(9.0), torch.arange(N, N + B), 1)
     from mmpretrain.losses import build_objective
 

@@ -71,9 +71,10 @@ class WeightedObjective(nn.Module):
         """The largest of its terms' (:meth:`Objective.largest_matrix`)."""
         return max(getattr(t, "largest_matrix", lambda b: 0)(batch) for t in self.terms)
 
-    def commit_step(self) -> None:
+    def commit_step(self, accepted: torch.Tensor | None = None) -> None:
         for term in self.terms:
-            getattr(term, "commit_step", lambda: None)()
+            if hasattr(term, "commit_step"):
+                term.commit_step(accepted)
 
     def discard_step(self) -> None:
         for term in self.terms:

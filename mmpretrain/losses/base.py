@@ -81,8 +81,9 @@ class Objective(nn.Module):
         c = self.chunk_size
         return rows * cols if c is None else min(c, rows) * min(c, cols)
 
-    def commit_step(self) -> None:
-        """Apply the state update the last forward proposed (the step was accepted)."""
+    def commit_step(self, accepted: torch.Tensor | None = None) -> None:
+        """Apply the state update the last forward proposed: the step was accepted, or ``accepted`` (a 0-dim
+        bool tensor) says on the device whether it was (the update must then not read it on the host)."""
 
     def discard_step(self) -> None:
         """Drop the state update the last forward proposed (the step was skipped)."""

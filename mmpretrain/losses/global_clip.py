@@ -51,12 +51,17 @@ def gamma_at(epoch0: int, gamma: float, schedule: str, decay_epochs: int) -> flo
 
 
 def last_occurrence(index: torch.Tensor) -> torch.Tensor:
-    """A mask of the positions holding each index's last occurrence (deterministic, any device)."""
-    pos = torch.arange(index.numel(), device=index.device)
-    uniq, inverse = torch.unique(index, return_inverse=True)
-    last = torch.full((uniq.numel(),), -1, dtype=torch.long, device=index.device)
-    last = last.scatter_reduce(0, inverse, pos, reduce="amax")
-    return pos == last[inverse]
+    """For each position, the position of its index's last occurrence (deterministic, any device, no
+    data-dependent shape: nothing waits for the device)."""
+    n = index.numel()
+    pos = torch.arange(n, device=index.device)
+    order = torch.sort(index, stable=True).indices  # equal indices in position order
+    ranked = index[order]
+    ends = torch.ones(n, dtype=torch.bool, device=index.device)
+    ends[:-1] = ranked[:-1] != ranked[1:]  # the last of each run of equal indices
+    # each sorted position's run end: the nearest end at or after it (a cumulative min from the right)
+    end = torch.where(ends, pos, n).flip(0).cummin(0).values.flip(0)
+    return torch.empty_like(order).scatter_(0, order, order[end])
 
 
 class GlobalClipLoss(Objective):
@@ -112,10 +117,10 @@ class GlobalClipLoss(Objective):
         x = gather_with_grad(x, self.world_size).to(dtype)
         y = gather_with_grad(y, self.world_size).to(dtype)
         index = gather_no_grad(sample_index.to(x.device).long(), self.world_size)
-        # checked where it costs no device sync (on a GPU an index outside the table fails in the gather)
-        if index.device.type == "cpu" and (int(index.min()) < 0 or int(index.max()) >= self.log_u_image.numel()):
-            raise ValueError(f"global_clip: sample_index outside [0, {self.log_u_image.numel()}): the table was "
-                             "sized for another dataset")
+        # checked without a host read (on a GPU, a device-side assert; on a CPU it raises here)
+        torch._assert_async(((index >= 0) & (index < self.log_u_image.numel())).all(),
+                            f"global_clip: sample_index outside [0, {self.log_u_image.numel()}): the table was "
+                            "sized for another dataset")
         n = x.shape[0]
         if n < 2:
             raise ValueError("global_clip needs a global batch of at least 2")
@@ -148,16 +153,20 @@ class GlobalClipLoss(Objective):
         mixed = torch.logaddexp(old + math.log(1 - gamma), log_g + math.log(gamma))
         return torch.where(torch.isfinite(old), mixed, log_g)
 
-    def commit_step(self) -> None:
-        """Write the accepted step's estimates into the tables (the last occurrence of an index wins)."""
+    def commit_step(self, accepted: torch.Tensor | None = None) -> None:
+        """Write the accepted step's estimates into the tables (the last occurrence of an index wins: every
+        occurrence writes its value). ``accepted``: a 0-dim bool tensor; False writes the old values back."""
         if self._pending is None:
             return
         index, new_i, new_t = self._pending
         self._pending = None
-        keep = last_occurrence(index)
-        idx = index[keep].to(self.log_u_image.device)
-        self.log_u_image.index_copy_(0, idx, new_i[keep].to(self.log_u_image))
-        self.log_u_text.index_copy_(0, idx, new_t[keep].to(self.log_u_text))
+        last = last_occurrence(index)
+        idx = index.to(self.log_u_image.device)
+        for table, new in ((self.log_u_image, new_i), (self.log_u_text, new_t)):
+            value = new[last].to(table)
+            if accepted is not None:
+                value = torch.where(accepted.to(table.device), value, table[idx])
+            table.index_copy_(0, idx, value)
 
     def discard_step(self) -> None:
         self._pending = None
