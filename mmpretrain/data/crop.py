@@ -88,10 +88,15 @@ class ResizedCrop:
 
     def reduction(self, img: Image.Image, box: Box) -> int:
         """The DCT reduction to decode ``img`` at for ``box`` (1: full size)."""
-        if not self.draft or img.format != "JPEG":
+        return self.jpeg_reduction(box) if img.format == "JPEG" else 1
+
+    def jpeg_reduction(self, box: Box) -> int:
+        """The DCT reduction a JPEG is decoded at for ``box``: the largest of 8, 4, 2 that keeps the box at
+        least the output size in both dimensions, else 1 (full size)."""
+        if not self.draft:
             return 1
         out_h, out_w = self.size
-        return next((s for s in DRAFT_SCALES if box.height >= s * out_h and box.width >= s * out_w), 1)
+        return next((s for s in DRAFT_SCALES if box[2] >= s * out_h and box[3] >= s * out_w), 1)
 
     def decode(self, img: Image.Image, box: Box, check=None) -> tuple[Image.Image, int]:
         """``img`` (as opened) decoded to RGB at the reduction ``box`` allows; ``(image, reduction)``.

@@ -58,11 +58,16 @@ class DeviceNormalize:
         self.std = torch.as_tensor(std, dtype=torch.float32).reshape(-1, 1, 1)
         self.channels_last = channels_last  # the loader hands over (B, H, W, C): permuted here, on the device
 
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mean, std)``, (3, 1, 1), on ``device`` (moved once)."""
+        if self.mean.device != device:
+            self.mean, self.std = self.mean.to(device), self.std.to(device)
+        return self.mean, self.std
+
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         if images.dtype != torch.uint8:
-            return images  # already normalised (a loader that kept the float transform)
-        if self.mean.device != images.device:
-            self.mean, self.std = self.mean.to(images.device), self.std.to(images.device)
+            return images  # already normalised (a loader that kept the float transform, the device decoder)
+        self.on(images.device)
         if self.channels_last:
             images = images.permute(0, 3, 1, 2)
         return images.to(torch.float32, memory_format=torch.contiguous_format).div(255).sub_(self.mean).div_(self.std)
@@ -143,7 +148,6 @@ class SampleDecoder:
         self.teacher = teacher
         # data.decode=device: a JPEG the device decoder takes leaves as its bytes + crop box (device_decode.py)
         self.device_decode = device_decode and isinstance(transform, ResizedCrop)
-        self._blank = torch.zeros((*transform.size, 3), dtype=torch.uint8) if self.device_decode else None
         self.captions = captions  # "sample": one of caption 0 and the extra captions per epoch; "first": caption 0
         self.labels = labels
         self.embeddings = embeddings
@@ -193,11 +197,13 @@ class SampleDecoder:
             size = device_jpeg(data)
             # over the pixel cap at full size: the worker decodes it reduced (the cap counts drafted pixels)
             if size is not None and not (self.max_pixels and size[0] * size[1] > self.max_pixels):
-                item = self._item(raw, caption, emb, self._blank)  # the pixels are filled in on the device
                 box = self.transform.sampler(*size, random.Random(aug_seed)) if teacher is None else \
                     self._replayed(teacher, *size)
-                item.update(jpeg=raw[ext], box=box, **(teacher[1] if teacher else {}))
-                return item
+                # a box the worker decodes at a DCT reduction stays with it (4-64x fewer pixels decoded)
+                if self.transform.jpeg_reduction(box) == 1:
+                    item = self._item(raw, caption, emb, None)  # no pixels: the device makes them
+                    item.update(jpeg=raw[ext], box=box, **(teacher[1] if teacher else {}))
+                    return item
         try:
             with warnings.catch_warnings():  # Pillow's bomb warning: max_pixels below is the cap that counts
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -262,8 +268,10 @@ class SampleDecoder:
         if self.max_pixels and img.width * img.height > self.max_pixels:
             raise SkipSample("too_many_pixels")
 
-    def _item(self, raw: dict[str, Any], caption: str, emb, image: torch.Tensor) -> dict[str, Any]:
-        out: dict[str, Any] = {"image": image, "text": caption, "key": raw["__key__"]}
+    def _item(self, raw: dict[str, Any], caption: str, emb, image: torch.Tensor | None) -> dict[str, Any]:
+        out: dict[str, Any] = {"text": caption, "key": raw["__key__"]}
+        if image is not None:  # None: a JPEG the device decodes (its bytes and box travel instead)
+            out["image"] = image
         if emb is not None:
             out["emb"] = emb
         if self.labels:

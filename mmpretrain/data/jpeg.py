@@ -85,13 +85,16 @@ def read_frame(data: bytes) -> Frame | None:
     return None
 
 
-def device_jpeg(data: bytes) -> tuple[int, int] | None:
+def device_jpeg(data: bytes, progressive: bool = False) -> tuple[int, int] | None:
     """``(width, height)`` of a JPEG the device decoder takes, from its markers (no pixel decoded): a
-    baseline or progressive Huffman frame of 8-bit samples, 1 (grey) or 3 (YCbCr) components, no Adobe
-    APP14 marker declaring RGB or CMYK/YCCK, ending in EOI (a truncated file is left to the worker), whose
-    bytes can hold its frame (:func:`too_short`). None for anything else."""
+    baseline Huffman frame (``progressive``: or a progressive one) of 8-bit samples, 1 (grey) or 3 (YCbCr)
+    components, no Adobe APP14 marker declaring RGB or CMYK/YCCK, ending in EOI (a truncated file is left
+    to the worker), whose bytes can hold its frame (:func:`too_short`). None for anything else.
+
+    Progressive JPEGs stay with the workers by default: torchvision parses and Huffman-decodes them on the
+    host, one image at a time with a device sync each, which the workers do in parallel and reduced."""
     f = read_frame(data)
-    if (f is None or f.sof not in DEVICE_SOF or f.precision != 8 or len(f.sampling) not in (1, 3) or not f.width
+    if (f is None or f.sof not in (DEVICE_SOF if progressive else {0xC0}) or f.precision != 8 or len(f.sampling) not in (1, 3) or not f.width
             or not f.height or not f.complete or too_short(f, len(data))):
         return None
     if f.adobe_transform is not None and len(f.sampling) == 3 and f.adobe_transform != 1:

@@ -105,13 +105,16 @@ def collate(items: list[dict[str, Any]], tokenizer=None) -> dict[str, Any]:
     """A batch: ``images (B, 3, H, W)``, ``texts``, ``keys``, ``sample_index (B,)`` (global, stable under
     resume, rank count and resampling), ``tokens (B, L)`` with a tokenizer, and ``target_embeddings
     (B, E)`` / ``labels (B,)`` when every item has one; with ``data.decode=device`` the JPEG fields of
-    :func:`~mmpretrain.data.device_decode.jpeg_fields` (their image slots are zeros until decoded)."""
+    :func:`~mmpretrain.data.device_decode.jpeg_fields` (``images`` then holds the worker-decoded images
+    only: the device makes the batch's image tensor)."""
+    images = [it["image"] for it in items if "image" in it]
     batch: dict[str, Any] = {
-        "images": _stack([it["image"] for it in items]),
         "texts": [it["text"] for it in items],
         "keys": [it["key"] for it in items],
         "sample_index": torch.tensor([it["index"] for it in items], dtype=torch.long),
     }
+    if images:
+        batch["images"] = _stack(images)
     if tokenizer is not None:
         batch["tokens"] = tokenizer(batch["texts"])
     if all("emb" in it for it in items):

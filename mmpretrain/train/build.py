@@ -18,6 +18,7 @@ from mmpretrain.data import host_memory, urls
 from mmpretrain.data.crop import ResizedCrop
 from mmpretrain.data.decode import SampleDecoder, split_normalize
 from mmpretrain.data.device_decode import DeviceDecoder
+from mmpretrain.data.image_input import ImageInput
 from mmpretrain.data.keep import attach_keep
 from mmpretrain.data.manifest import provenance_record
 from mmpretrain.data.plan import StreamPlan
@@ -194,18 +195,39 @@ def train_transform(cfg: ExperimentConfig, model: Model):
     return split_normalize(full, fast=True)
 
 
+def image_input(cfg: ExperimentConfig, model: Model, device: torch.device, dtype: torch.dtype | None = None,
+                teacher: bool = False) -> ImageInput:
+    """The run's :class:`~mmpretrain.data.image_input.ImageInput`: open_clip's training transform in the
+    loader, its normalisation on the device and, with ``data.decode=device`` (read here only), the
+    device decoder. ``teacher``: the objective trains on stored teacher crops."""
+    transform, normalize = train_transform(cfg, model)
+    if teacher and not isinstance(transform, ResizedCrop):
+        raise ConfigError(f"the objective trains on the teacher's stored crops, which replay open_clip's plain random "
+                          f"resized crop; data.aug_cfg={cfg.data.aug_cfg} adds other augmentations: keep only scale in "
+                          "data.aug_cfg (the stored crops set it), or drop distill from loss")
+    decoder = None
+    if cfg.data.decode == "device":
+        if not isinstance(transform, ResizedCrop):
+            raise ConfigError(f"data.decode=device decodes and crops with open_clip's plain random resized crop; "
+                              f"data.aug_cfg={cfg.data.aug_cfg} runs torchvision's or timm's transform, which "
+                              "only the workers run: set data.decode=worker, or keep only scale in data.aug_cfg")
+        decoder = DeviceDecoder(transform, device, normalize, channels_last=cfg.train.channels_last)
+    return ImageInput(transform, normalize, decoder, cfg.train.channels_last, dtype)
+
+
 def build_loader(cfg: ExperimentConfig, data: Data, model: Model, objective: WeightedObjective, target_from: str,
                  position: StreamPosition | None, rank: int, pin_memory: bool, embedding_dim: int | None = None,
-                 transform=None):
+                 images: ImageInput | None = None):
     """The rank's loader; ``position``: a restored stream position to continue from (None: the start);
-    ``transform``: the loader's image transform (default: open_clip's training transform)."""
+    ``images``: the run's image input (its loader transform; default: open_clip's training transform)."""
     size = model.preprocess_cfg["size"]
-    transform = transform or train_transform(cfg, model)[0]
+    transform = images.transform if images is not None else train_transform(cfg, model)[0]
     decoder = SampleDecoder(  # no whole-image draft: the fast crop path reduces from the crop box itself
         transform,
         embeddings={"shards": "require", "online": "ignore", "none": "ignore"}[target_from],
         labels=objective.needs_labels, embedding_dim=embedding_dim, max_pixels=cfg.data.max_pixels,
-        captions=cfg.data.captions, device_decode=cfg.data.decode == "device", teacher=objective.needs_teacher,
+        captions=cfg.data.captions, device_decode=images is not None and images.device_decode,
+        teacher=objective.needs_teacher,
     )
     stream = TrainStream(data.plan, decoder, rank, start=position.state() if position is not None else None,
                          tokenizer=None if cfg.model.text_from_targets else factory.make_tokenizer(model.model_cfg))
@@ -299,21 +321,10 @@ def setup(cfg: ExperimentConfig) -> Run:
     # that dropout and patch dropout draw different masks on different ranks (seed + rank)
     set_seed(cfg.seed, device_specific=True)
     state = TrainState(build_position(data.plan, saved, rank, world, ckpt))
-    # the augmentation ends in uint8 in the loader; normalisation runs on the device (train_step)
-    transform, normalize = train_transform(cfg, model)
-    if teacher_dims is not None and not isinstance(transform, ResizedCrop):
-        raise ConfigError(f"the objective trains on the teacher's stored crops, which replay open_clip's plain random "
-                          f"resized crop; data.aug_cfg={cfg.data.aug_cfg} adds other augmentations: keep only scale in "
-                          "data.aug_cfg (the stored crops set it), or drop distill from loss")
-    device_decoder = None
-    if cfg.data.decode == "device":
-        if not isinstance(transform, ResizedCrop):
-            raise ConfigError(f"data.decode=device decodes and crops with open_clip's plain random resized crop; "
-                              f"data.aug_cfg={cfg.data.aug_cfg} runs torchvision's or timm's transform, which "
-                              "only the workers run: set data.decode=worker, or keep only scale in data.aug_cfg")
-        device_decoder = DeviceDecoder(transform, acc.device)
+    # the augmentation ends in uint8 in the loader; normalisation (and data.decode=device) on the device
+    images = image_input(cfg, model, acc.device, input_dtype(acc), teacher=teacher_dims is not None)
     loader = build_loader(cfg, data, model, objective, target_from, state.position if saved is not None else None, rank,
-                          acc.device.type == "cuda", embedding_dim(cfg, data.sources, target_from, model), transform)
+                          acc.device.type == "cuda", embedding_dim(cfg, data.sources, target_from, model), images)
     configure_engine(cfg, acc, data.schedule)
     if cfg.train.channels_last:
         model.module.to(memory_format=torch.channels_last)
@@ -337,8 +348,8 @@ def setup(cfg: ExperimentConfig) -> Run:
               preprocess=image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=False),
               tokenizer=factory.make_tokenizer(model.model_cfg), target_encoder=target_encoder,
               trim_text=factory.trims_text(model.module.clip), evaluator=evaluator,
-              log=JsonlLog(files.log, records) if acc.is_main_process else None, input_dtype=input_dtype(acc),
-              normalize=normalize, device_decoder=device_decoder, teacher_dims=teacher_dims)
+              log=JsonlLog(files.log, records) if acc.is_main_process else None, images=images,
+              teacher_dims=teacher_dims)
     if cfg.train.log_with:
         hparams = {k: str(v) if isinstance(v, (list, dict)) else v
                    for k, v in flat_config(cfg.model_dump(mode="json")).items() if v is not None}

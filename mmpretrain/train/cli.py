@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from mmpretrain.data.device_decode import DeviceDecodeError
     from mmpretrain.data.stream import StreamError
     from mmpretrain.train.build import setup
     from mmpretrain.train.loop import fit
@@ -39,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except StreamError as e:
         print(f"error: {StreamError.line_of(e)}", file=sys.stderr)
+        return 1
+    except DeviceDecodeError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
     run.accelerator.end_training()
     return 0

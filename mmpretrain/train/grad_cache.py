@@ -40,7 +40,7 @@ class StepResult:
     terms: dict[str, Any]
     loss: torch.Tensor
     features: tuple[torch.Tensor, torch.Tensor]
-    finite: bool = True
+    finite: bool | torch.Tensor = True
     logit_scale: torch.Tensor | None = None
 
 
@@ -85,11 +85,13 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
     receives as keywords (``step``, ``epoch``, and what it declares it needs: ``labels (B,)``,
     ``sample_index (B,)``); per-sample tensors in it are sliced with the micro-batches in accumulate mode.
 
-    ``finite(loss) -> bool`` decides whether the loss can be used (the trainer's check agrees across
-    ranks). With the whole batch, and with grad caching, it is called before any backward of the
-    towers and a False skips them. In accumulate mode every micro-batch's backward has already run
-    when the total is known; a False there only marks the result, and the caller discards the
-    accumulated gradients (as it must in every mode when ``finite`` is False)."""
+    ``finite(loss) -> bool | Tensor`` decides whether the loss can be used (the trainer's check agrees
+    across ranks). A bool is read on the host: with the whole batch, and with grad caching, it is called
+    before any backward of the towers and a False skips them. A 0-dim bool tensor stays on the device:
+    the backward always runs, and the caller skips the update on the device where it is False (the
+    gradients of a non-finite loss are discarded with it). In accumulate mode every micro-batch's
+    backward has already run when the total is known; a False there only marks the result, and the
+    caller discards the accumulated gradients (as it must in every mode when ``finite`` is False)."""
     acc = accelerator
     B = images.shape[0]
     kw = context or {}
@@ -98,8 +100,8 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
             feats = for_objective(model(images, tokens=tokens, target_embeddings=target_emb), images.device)
             out = objective(**feats, target_embeddings=target_emb, **kw)
         total = total_of(out)
-        ok = finite is None or finite(total)
-        if ok:
+        ok = True if finite is None else finite(total)
+        if isinstance(ok, torch.Tensor) or ok:
             acc.backward(total)
         return _result(out, total, feats["image_features"], feats["text_features"], ok, feats["logit_scale"])
     chunks = [slice(i, min(i + micro_batch, B)) for i in range(0, B, micro_batch)]
@@ -118,7 +120,7 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
             ft.append(feats["text_features"].detach())
         out = {k: sum(o[k] for o in outs) / len(outs) for k in outs[0]}
         total = total_of(out)
-        ok = finite is None or finite(total)
+        ok = True if finite is None else finite(total)
         return _result(out, total, torch.cat(fi), torch.cat(ft), ok, feats["logit_scale"])
     if mode != "grad_cache":
         raise ValueError(f"train.micro_batch_mode={mode!r}: grad_cache or accumulate")
@@ -145,7 +147,8 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
         out = objective(image_features=img, text_features=txt, logit_scale=scale, logit_bias=bias,
                         target_embeddings=target_emb, **kw)
     total = total_of(out)
-    if finite is not None and not finite(total):
+    ok = True if finite is None else finite(total)
+    if not isinstance(ok, torch.Tensor) and not ok:
         return _result(out, total, img, txt, False, scale)
     total.backward()
     for j, s in enumerate(chunks):
@@ -161,10 +164,10 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
                     surrogate = surrogate + (f["logit_bias"] * bias.grad).sum()
             acc.backward(surrogate)
     _set_rng_state(after, device)
-    return _result(out, total, img, txt, True, scale)
+    return _result(out, total, img, txt, ok, scale)
 
 
-def _result(out: dict[str, Any], total: torch.Tensor, image_features, text_features, finite: bool = True,
+def _result(out: dict[str, Any], total: torch.Tensor, image_features, text_features, finite: bool | torch.Tensor = True,
             logit_scale: torch.Tensor | None = None) -> StepResult:
     terms = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
     return StepResult(terms, total.detach(), (image_features.detach(), text_features.detach()), finite,

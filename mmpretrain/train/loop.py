@@ -20,6 +20,7 @@ from mmpretrain.models.factory import trim_padding
 from mmpretrain.train.checkpoint import save_checkpoint
 from mmpretrain.train.diagnostics import plot_run
 from mmpretrain.train.grad_cache import StepResult, forward_backward
+from mmpretrain.train.nonfinite import NonFinite
 from mmpretrain.train.observe import all_ranks_skipped, diagnostics, evaluate, log_record
 from mmpretrain.train.schedule import lr_at
 from mmpretrain.train.state import Run
@@ -41,32 +42,21 @@ def step_context(objective, step: int, batch: dict[str, Any], device: torch.devi
     return context
 
 
-def agree_finite(accelerator, loss: torch.Tensor) -> bool:
-    """Whether the loss is finite on every rank (one all-reduce), so that every rank takes the same decision."""
-    bad = (~torch.isfinite(loss.detach())).float().reshape(1)
-    if accelerator.num_processes > 1:
-        bad = accelerator.reduce(bad.to(accelerator.device), reduction="sum")
-    return not bad.item()
-
-
 def train_step(run: Run, batch: dict[str, Any]) -> StepResult:
     """One optimizer step on one batch (``batch["epoch"]``: its 0-based stream epoch); returns the
     objective's terms, the loss and this rank's features. A non-finite loss skips the update
-    (``train.nonfinite=skip``) with zeroed terms, or raises FloatingPointError."""
+    (``train.nonfinite=skip``) with zeroed terms, or raises FloatingPointError: decided on the device
+    and read at the next log step, checkpoint or evaluation where the optimizer can skip an update on
+    the device (:mod:`mmpretrain.train.nonfinite`), on the host at once elsewhere."""
     cfg, acc, st, sched = run.cfg, run.accelerator, run.state, run.schedule
+    if run.nonfinite is None:
+        run.nonfinite = NonFinite(acc, run.optimizer)
+    guard = run.nonfinite
     lr = lr_at(st.step, base_lr=cfg.optim.lr, warmup_steps=sched.warmup_steps, total_steps=sched.total_steps,
                min_lr_ratio=cfg.optim.min_lr_ratio)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    if run.device_decoder is not None and "jpeg_bytes" in batch:  # not decoded ahead (fit's Prefetcher does)
-        run.device_decoder(batch)
-    images = batch["images"].to(acc.device, non_blocking=True)
-    if run.normalize is not None:  # the loader's uint8 images, normalised here (a quarter of the bytes)
-        images = run.normalize(images)
-    if cfg.train.channels_last:
-        images = images.contiguous(memory_format=torch.channels_last)
-    if run.input_dtype is not None:  # DeepSpeed's bf16/fp16 weights; accelerate's autocast is off there
-        images = images.to(run.input_dtype)
+    images = run.images(batch, acc.device)
     target_emb = batch.get("target_embeddings")
     if run.target_encoder is not None:
         with torch.no_grad():
@@ -80,10 +70,23 @@ def train_step(run: Run, batch: dict[str, Any]) -> StepResult:
         tokens = tokens.to(acc.device, non_blocking=True)
     res = forward_backward(acc, run.model, run.objective, images, tokens, target_emb,
                            micro_batch=cfg.train.micro_batch_size, mode=cfg.train.micro_batch_mode,
-                           finite=lambda loss: agree_finite(acc, loss),
+                           finite=guard.agree,
                            context=step_context(run.objective, st.step, batch, acc.device, run.teacher_dims))
     res.terms["lr"] = lr
-    if not res.finite:
+    if isinstance(res.finite, torch.Tensor):  # decided on the device: no host read until the next log step
+        ok = res.finite
+        guard.record(st.step, ok, res.terms)
+        run.objective.commit_step(ok)  # state that moves only with accepted steps (global_clip's estimates)
+        if cfg.optim.grad_clip_norm is not None:
+            acc.clip_grad_norm_(run.model.parameters(), cfg.optim.grad_clip_norm)
+        with guard.skip_update(ok):  # fused AdamW leaves everything as it was when the loss was not finite
+            run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        zero = torch.zeros((), device=ok.device)
+        res.terms = {k: torch.where(ok, v, zero) if k.endswith(("_loss", "_unweighted")) and isinstance(v, torch.Tensor)
+                     else v for k, v in res.terms.items()}
+        res.loss = torch.where(ok, res.loss, zero)
+    elif not res.finite:
         terms = ", ".join(f"{k}={float(v):.4g}" for k, v in res.terms.items() if k.endswith(("_loss", "_unweighted")))
         st.nonfinite_steps += 1
         if cfg.train.nonfinite == "stop" or st.nonfinite_steps > cfg.train.max_skipped_steps:
@@ -96,11 +99,12 @@ def train_step(run: Run, batch: dict[str, Any]) -> StepResult:
         res.terms = {k: torch.zeros(()) if k.endswith(("_loss", "_unweighted")) else v for k, v in res.terms.items()}
         res.loss = torch.zeros(())
         return res
-    run.objective.commit_step()  # state that moves only with accepted steps (global_clip's estimates)
-    if cfg.optim.grad_clip_norm is not None:
-        acc.clip_grad_norm_(run.model.parameters(), cfg.optim.grad_clip_norm)
-    run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
+    else:
+        run.objective.commit_step()
+        if cfg.optim.grad_clip_norm is not None:
+            acc.clip_grad_norm_(run.model.parameters(), cfg.optim.grad_clip_norm)
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
         acc.unwrap_model(run.model).clip.logit_scale.clamp_(0, math.log(cfg.train.max_logit_scale))
     return res
@@ -111,8 +115,8 @@ def fit(run: Run) -> dict[str, Any]:
     run.model.train()
     bar = tqdm(total=sched.total_steps, initial=st.step, disable=not (acc.is_main_process and cfg.train.progress),
                desc="train", unit="step")
-    # data.decode=device: each batch's JPEGs decoded on the device (on CUDA, the next one on a side stream)
-    it = Prefetcher(run.loader, run.device_decoder) if run.device_decoder is not None else iter(run.loader)
+    # data.decode=device: each batch's JPEGs decoded on the device, one batch ahead on a background thread
+    it = run.images.batches(run.loader)
     t0, last, last_step = time.time(), time.time(), st.step
     rec: dict[str, Any] = {}
     waited = 0.0  # seconds spent waiting for the loader since the last record (open_clip's data_time)
@@ -128,7 +132,12 @@ def fit(run: Run) -> dict[str, Any]:
         bar.update(1)
         end = st.step == sched.total_steps
         diag = bool(sched.diagnostics_every) and (st.step % sched.diagnostics_every == 0 or end)
-        if st.step % cfg.train.log_every == 0 or end or diag:
+        log = st.step % cfg.train.log_every == 0 or end or diag
+        evaluating = run.evaluator is not None and (st.step % cfg.eval.every == 0 or end)
+        saving = bool(cfg.train.save_every) and st.step % cfg.train.save_every == 0 and not end
+        if log or evaluating or saving:  # the device's non-finite count, read (train.nonfinite may stop here)
+            run.nonfinite.settle(st, cfg)
+        if log:
             rec = log_record(run, res.terms, res.loss, res.terms["lr"], last, st.step - last_step, res.logit_scale)
             # this rank's (the main process's) wait for data: per step, and as a share of the interval
             rec["data_time"] = waited / max(1, st.step - last_step)
@@ -140,11 +149,13 @@ def fit(run: Run) -> dict[str, Any]:
             bar.set_postfix(loss=f"{rec['loss']:.3f}", scale=f"{rec['logit_scale']:.1f}",
                             samples_s=f"{rec['samples_per_s']:.0f}")
             run.write(rec)
-        if run.evaluator is not None and (st.step % cfg.eval.every == 0 or end):
+        if evaluating:
             run.write(evaluate(run))
-        if cfg.train.save_every and st.step % cfg.train.save_every == 0 and not end:
+        if saving:
             checkpoint(run)
     bar.close()
+    if isinstance(it, Prefetcher):
+        it.close()
     ckpt = checkpoint(run)
     if run.log is not None:
         plot_run(run.log.records, run.histograms, run.files.plots)

@@ -12,6 +12,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 from mmpretrain.config import ExperimentConfig
+from mmpretrain.data.image_input import ImageInput
 from mmpretrain.data.stream import StreamPosition
 from mmpretrain.eval import Evaluator
 from mmpretrain.losses import WeightedObjective
@@ -52,9 +53,8 @@ class Run:
     evaluator: Evaluator | None = None
     log: JsonlLog | None = None  # main process only
     histograms: dict[str, list[float]] | None = None  # of the last diagnostics batch
-    input_dtype: torch.dtype | None = None  # images cast to it (DeepSpeed's half-precision weights)
-    normalize: Callable | None = None  # uint8 batches -> normalised float on the device (decode.DeviceNormalize)
-    device_decoder: Any = None  # data.decode=device: the batch's JPEGs decoded on the device (device_decode.py)
+    images: ImageInput = field(default_factory=ImageInput)  # batch -> model input (data/image_input.py)
+    nonfinite: Any = None  # the non-finite step guard (train/nonfinite.py), made by the first train_step
     teacher_dims: list[int] | None = None  # each stored teacher's width, for objectives that distill (teacher.py)
 
     def write(self, rec: dict[str, Any]) -> None:

@@ -152,8 +152,8 @@ def stream_rate(sources, transform, tokenizer, batch_size: int, workers: int, ep
     """Images/s of our training stream (epoch mode, one rank) over ``epochs`` passes (worker start included),
     with open_clip's training ``transform`` split as the trainer splits it (the fast crop path, uint8 out,
     normalised on the device). ``decode="device"``: data.decode=device, each batch's JPEGs decoded,
-    cropped and resized on ``device`` in this process as the trainer does (the next batch's on a side
-    stream on CUDA), synchronised before the clock stops."""
+    cropped and resized on ``device`` in this process as the trainer does (one batch ahead on a background
+    thread, on its own stream on CUDA), synchronised before the clock stops."""
     import torch
 
     from mmpretrain.data.decode import SampleDecoder, split_normalize
@@ -175,5 +175,7 @@ def stream_rate(sources, transform, tokenizer, batch_size: int, workers: int, ep
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
+    if isinstance(it, Prefetcher):
+        it.close()
     del it
     return seen / dt

@@ -136,8 +136,9 @@ def step_section(args, device, data: Path) -> dict:
         # open_clip_train's step on the same samples: the batch as its loader gives it (float, normalised
         # on the host), full-length tokens, ClipLoss, torch's default AdamW, the clamp
         images = batch["images"]
-        if run.normalize is not None:  # the same normalisation, on the host (a copy: run.normalize stays on the device)
-            images = DeviceNormalize(run.normalize.mean.cpu(), run.normalize.std.cpu(), run.normalize.channels_last)(images)
+        norm = run.images.normalize
+        if norm is not None:  # the same normalisation, on the host (a copy: the run's stays on the device)
+            images = DeviceNormalize(norm.mean.cpu(), norm.std.cpu(), norm.channels_last)(images)
         tokens = batch["tokens"]
         if device.type == "cuda":
             images, tokens = images.pin_memory(), tokens.pin_memory()
@@ -342,7 +343,7 @@ def jpeg_faults_section(args, device) -> dict:
     import torchvision.io as tio
 
     from mmpretrain.data.crop import ResizedCrop
-    from mmpretrain.data.decode import SampleDecoder
+    from mmpretrain.data.decode import SampleDecoder, SkipSample
     from mmpretrain.data.device_decode import DeviceDecoder
     from mmpretrain.data.jpeg import FILL, tail_box
     from mmpretrain.data.stream import collate
@@ -363,11 +364,16 @@ def jpeg_faults_section(args, device) -> dict:
         except RuntimeError as e:
             raw = f"raised: {str(e).splitlines()[0][:200]}"
         raws = [{"__key__": "anchor", "jpg": photos[0][1], "txt": b"a"}, {"__key__": "k", "jpg": jpg, "txt": b"a"}]
-        batch = collate([dict(decoder(r, 0, 0, anchor=i == 0), index=i) for i, r in enumerate(raws)])
+        try:  # what the device does not take (progressive JPEGs) the worker decodes, and may skip
+            batch = collate([dict(decoder(r, 0, 0, anchor=i == 0), index=i) for i, r in enumerate(raws)])
+        except SkipSample as e:
+            out[name] = {"device decode_jpeg": raw, "shipped to the device": False, "counted": {e.reason: 1}}
+            continue
         shipped = "jpeg_slots" in batch
         DeviceDecoder(crop, device)(batch)
         out[name] = {"device decode_jpeg": raw, "shipped to the device": shipped,
-                     "counted": {k: v for k, v in batch.get("skipped", {}).items() if k != "repeated_in_batch"}}
+                     "counted": {k: v for k, v in batch.get("skipped", {}).items()
+                                 if k not in ("repeated_in_batch", "device_decoded")}}
     want = {"photo": {}, "broken Huffman tables": {"undecodable_image": 1}}
     out["rule_holds"] = all(out[n]["counted"] == want.get(n, {"truncated_jpeg": 1}) for n in cases)
     return out

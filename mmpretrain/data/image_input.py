@@ -1,0 +1,53 @@
+"""The images' way from the loader to the model, built once per run (:func:`mmpretrain.train.build.setup`).
+
+:class:`ImageInput` holds the loader's image transform (what the workers run), :class:`~mmpretrain.data.
+decode.DeviceNormalize` (uint8 batches normalised on the device) and, with ``data.decode=device``, the
+:class:`~mmpretrain.data.device_decode.DeviceDecoder`. The loader builder takes its ``transform`` and
+``device_decode``; ``fit`` iterates :meth:`ImageInput.batches` (decoded ahead on a background thread
+with the device decoder); ``train_step`` turns a batch into the model's input with :meth:`ImageInput.
+__call__`, whichever way the batch came.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from mmpretrain.data.device_decode import KEYS, DeviceDecoder, Prefetcher
+
+
+class ImageInput:
+    """``transform``: the loader's; ``normalize``: None when the transform ends normalised; ``decoder``:
+    the device decoder (``data.decode=device``) or None; ``channels_last``, ``dtype``: the model input's
+    memory format and dtype (DeepSpeed's half-precision weights; None: as the batch)."""
+
+    def __init__(self, transform=None, normalize=None, decoder: DeviceDecoder | None = None, channels_last: bool = False,
+                 dtype: torch.dtype | None = None):
+        self.transform, self.normalize, self.decoder = transform, normalize, decoder
+        self.channels_last, self.dtype = channels_last, dtype
+
+    @property
+    def device_decode(self) -> bool:
+        """Whether the workers hand JPEGs over undecoded (the loader's SampleDecoder reads this)."""
+        return self.decoder is not None
+
+    def batches(self, loader) -> Iterator[dict[str, Any]]:
+        """The loader's batches as the step takes them: with the device decoder, decoded one batch ahead
+        on a background thread (:class:`~mmpretrain.data.device_decode.Prefetcher`)."""
+        return Prefetcher(loader, self.decoder) if self.decoder is not None else iter(loader)
+
+    def __call__(self, batch: dict[str, Any], device: torch.device) -> torch.Tensor:
+        """The model's input for ``batch``: on ``device``, normalised, in the run's layout and dtype. A batch
+        not decoded ahead (a direct ``train_step`` call) is decoded here."""
+        if self.decoder is not None and (any(k in batch for k in KEYS) or batch["images"].dtype == torch.uint8):
+            self.decoder(batch)
+        images = batch["images"].to(device, non_blocking=True)
+        if self.normalize is not None:  # uint8 from the loader (a quarter of the bytes); float passes as is
+            images = self.normalize(images)
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        if self.dtype is not None:  # DeepSpeed's bf16/fp16 weights; accelerate's autocast is off there
+            images = images.to(self.dtype)
+        return images
