@@ -82,7 +82,7 @@ def _count_ops(fn) -> int:
 def test_the_crop_stage_issues_the_same_operator_calls_at_64_and_256_images():
     g = torch.Generator().manual_seed(0)
     crop = ResizedCrop(32)
-    dec = DeviceDecoder(crop, "cpu")
+    dec = DeviceDecoder(crop, "cpu", batched=True)  # the GPU's crop stage (a CPU crops image by image)
     counts = {}
     for n in (64, 256):
         sizes = torch.randint(33, 60, (n, 2), generator=g).tolist()

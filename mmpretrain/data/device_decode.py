@@ -108,9 +108,13 @@ class DeviceDecoder:
     values 0-255), ``channels_last`` memory format if asked. In place; returns the batch."""
 
     def __init__(self, crop: ResizedCrop, device: torch.device | str, normalize=None, chunk: int = 256,
-                 channels_last: bool = False):
+                 channels_last: bool = False, batched: bool | None = None):
         self.crop, self.device, self.chunk = crop, torch.device(device), max(1, int(chunk))
         self.normalize, self.channels_last = normalize, channels_last
+        # the crop stage: batched (a constant number of operations: what a GPU needs) or image by image
+        # with torchvision's native uint8 kernel (what a CPU does fastest: no launch cost, 20-50x fewer
+        # flops than the dense products); default by the device
+        self.batched = self.device.type != "cpu" if batched is None else batched
         self.batches = 0
         self.errors: list[str] = []  # what the device decoder raised, for DeviceDecodeError
 
@@ -189,10 +193,29 @@ class DeviceDecoder:
         """Decoded ``images`` ((3, h, w) uint8 on the device) cropped to ``boxes`` (n, 4: host), resized,
         normalised into ``out`` at ``slots`` (host): a constant number of operator calls whatever n.
         Returns (n,) bool on the device: whether each image's last block is libjpeg's fill (rule 2)."""
+        if not self.batched:
+            return self._crop_each(out, images, boxes.tolist(), slots)
         padded = pad(images)
         self._put(out, slots, crop_resize(padded, boxes, self.crop.size, self.crop.interpolation))
         sizes = torch.tensor([img.shape[-2:] for img in images], dtype=torch.long)  # host: Python ints
         return _grey_tail(padded, sizes.to(self.device, non_blocking=True))
+
+    def _crop_each(self, out: torch.Tensor, images: list[torch.Tensor], boxes: list[list[int]],
+                   slots: torch.Tensor) -> torch.Tensor:
+        """The crop stage image by image with torchvision's antialiased ``resized_crop`` (on a CPU its
+        native uint8 kernel); the tail check per image."""
+        from torchvision.transforms import InterpolationMode
+        from torchvision.transforms.v2 import functional as F
+
+        mode = {Image.BICUBIC: InterpolationMode.BICUBIC, Image.BILINEAR: InterpolationMode.BILINEAR,
+                Image.NEAREST: InterpolationMode.NEAREST_EXACT}.get(self.crop.interpolation, InterpolationMode.BICUBIC)
+        pixels, greys = [], []
+        for img, (top, left, h, w) in zip(images, boxes):
+            pixels.append(F.resized_crop(img, top, left, h, w, list(self.crop.size), interpolation=mode, antialias=True))
+            ty, tx = (img.shape[-2] - 1) // 8 * 8, (img.shape[-1] - 1) // 8 * 8
+            greys.append((img[:, ty:, tx:] == FILL).all())
+        self._put(out, slots, torch.stack(pixels).to(torch.float32))
+        return torch.stack(greys)
 
     def _place(self, out: torch.Tensor, images: torch.Tensor, slots: torch.Tensor | None) -> None:
         """(n, H, W, 3) uint8 host images into ``out`` at ``slots`` (None: all of them), normalised."""

@@ -14,9 +14,11 @@ built for the whole batch at once on the device from the boxes; no Python runs p
 with Pillow's fixed-point arithmetic on the worker path, the float products differ by at most a grey
 level in a few pixels (tests/test_device_decode.py states the tolerance).
 
-Memory, per chunk of N images padded to H_max x W_max: N * 3 * H_max * W_max bytes (uint8) + 4x that
-(float) + N * 3 * H_max * W_out * 4 (the horizontal pass): at N = 256 images of about 400 x 400 padded
-to 512 x 512, 0.2 + 0.8 + 0.35 GB, transient.
+The boxes are first gathered out of the padded images (two gathers), so the products run over the
+chunk's largest box, not its largest image. Memory, per chunk of N images padded to H x W with boxes
+at most h x w: N * 3 * (H * W + h * W + h * w) bytes (uint8) + N * 3 * h * w * 4 (float) + N * 3 * h *
+W_out * 4 (the horizontal pass); compute N * 3 * h * w * (W_out + H_out) * 2 flops (scripts/bench/
+bench_device_step.py prints both for photos at 224 px).
 """
 
 from __future__ import annotations
@@ -89,13 +91,29 @@ def pad(images: list[torch.Tensor]) -> torch.Tensor:
         return torch.nested.as_nested_tensor(images).to_padded_tensor(0)
 
 
+def crops(padded: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+    """``(N, 3, h_max, w_max)``: box ``k`` of ``padded[k]`` at the top left (the rest repeats its last
+    row and column; the weights give it zero), by two gathers. ``boxes``: (N, 4) on the host (their
+    largest height and width are read there: no device sync)."""
+    h_max, w_max = (int(v) for v in boxes[:, 2:].max(0).values.tolist())
+    N, C, H, W = padded.shape
+    b = boxes.to(padded.device, non_blocking=True)
+    rows = (b[:, 0:1] + torch.arange(h_max, device=padded.device)).clamp_(max=H - 1)  # (N, h_max)
+    cols = (b[:, 1:2] + torch.arange(w_max, device=padded.device)).clamp_(max=W - 1)  # (N, w_max)
+    x = padded.gather(2, rows[:, None, :, None].expand(N, C, h_max, W))
+    return x.gather(3, cols[:, None, None, :].expand(N, C, h_max, w_max))
+
+
 def crop_resize(padded: torch.Tensor, boxes: torch.Tensor, size: tuple[int, int], interpolation: int) -> torch.Tensor:
     """``(N, 3, out_h, out_w)`` float32 pixel values (0-255, integral as Pillow's): box ``k`` = (top, left,
-    height, width) of ``padded[k]`` resized to ``size`` = (out_h, out_w)."""
+    height, width; a host tensor) of ``padded[k]`` resized to ``size`` = (out_h, out_w). The boxes are
+    gathered first (:func:`crops`), so the products cost N * 3 * h_max * w_max * (out_w + out_h) * 2."""
     out_h, out_w = size
-    boxes = boxes.to(padded.device)
-    wy = weights(boxes[:, 0], boxes[:, 2], out_h, padded.shape[-2], interpolation)  # (N, out_h, H)
-    wx = weights(boxes[:, 1], boxes[:, 3], out_w, padded.shape[-1], interpolation)  # (N, out_w, W)
-    rows = torch.matmul(padded.to(torch.float32), wx.transpose(1, 2).unsqueeze(1))  # (N, 3, H, out_w)
+    x = crops(padded, boxes)
+    zero = torch.zeros(len(boxes), device=padded.device)
+    b = boxes.to(padded.device, non_blocking=True)
+    wy = weights(zero, b[:, 2], out_h, x.shape[-2], interpolation)  # (N, out_h, h_max)
+    wx = weights(zero, b[:, 3], out_w, x.shape[-1], interpolation)  # (N, out_w, w_max)
+    rows = torch.matmul(x.to(torch.float32), wx.transpose(1, 2).unsqueeze(1))  # (N, 3, h_max, out_w)
     rows = rows.round_().clamp_(0, 255)  # Pillow's 8-bit intermediate
     return torch.matmul(wy.unsqueeze(1), rows).round_().clamp_(0, 255)

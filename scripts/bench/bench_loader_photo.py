@@ -149,7 +149,7 @@ def profile(samples: list[tuple[str, bytes]], folder: Path, size: int, batch: in
         "hand-over (incl. worker start)": hand, "torchvision path: decode + convert": tv_decode / n,
         "torchvision path: RandomResizedCrop + PILToTensor": tv_crop / n,
         "device path on the CPU: decode_jpeg (full size)": dev_decode / n,
-        "device path on the CPU: header box + batched crop stage": dev_crop / n}.items()}
+        "device path on the CPU: header box + crop stage (image by image on a CPU)": dev_crop / n}.items()}
     out["share of JPEGs decoded reduced"] = round(reduced, 3)
     return out
 

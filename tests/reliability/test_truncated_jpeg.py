@@ -47,7 +47,7 @@ def _verdict(decoder, crop, jpg):
     batch = collate(items)
     if "jpeg_slots" in batch:
         assert batch["jpeg_slots"].tolist() == [1]
-        DeviceDecoder(crop, "cpu")(batch)
+        DeviceDecoder(crop, "cpu", batched=True)(batch)  # the GPU's crop stage and tail check
         bad = {k: v for k, v in batch.get("skipped", {}).items() if k not in ("repeated_in_batch", "device_decoded")}
         return next(iter(bad), "kept")
     return "kept"
