@@ -118,3 +118,18 @@ def test_the_jpeg_faults_section_holds_the_rule_on_the_cpu():
     assert res["rule_holds"], res
     assert res["cut, ends in EOI"]["device decode_jpeg"] == "pixels, last block grey: True"
     assert res["broken Huffman tables"]["device decode_jpeg"].startswith("raised")
+
+
+def test_the_crop_stage_section_runs_on_the_cpu():
+    """The GPU check's crop_stage section (per-image against batched crops, timed on the device) on 16 photos
+    on the CPU: both pixel differences within the device tests' tolerances."""
+    import argparse
+
+    import torch
+
+    from conftest import script
+
+    res = script("scripts/bench/gpu_bench.py").crop_stage_section(argparse.Namespace(), torch.device("cpu"), n=16)
+    assert res["nvjpeg_backend"] == "n/a" and res["device_decode_failures"] == 0, res
+    assert res["batched"]["diff_mean"] < 0.25 and res["batched"]["diff_max"] <= 8, res
+    assert res["per_image"]["diff_mean"] < 0.5 and res["per_image"]["diff_max"] <= 16, res

@@ -1,6 +1,6 @@
 """The GPU check (run by scripts/bench/bench_gpu.sh on a lent GPU machine; its CPU path runs in `make test-slow`).
 
-    python scripts/bench/gpu_bench.py --data DATASET_DIR --out DIR [--sections step jpeg_faults loss_memory precision
+    python scripts/bench/gpu_bench.py --data DATASET_DIR --out DIR [--sections step jpeg_faults crop_stage loss_memory precision
                                                                              engines kmeans]
                                 [--model ViT-B-32] [--batch-size 256] [--steps 20] [--repeats 3]
                                 [--e2e-steps 20] [--e2e-images 4096] [--e2e-workers N] [--budget 240]
@@ -26,6 +26,9 @@ one H200) would end past --budget seconds is skipped and says so:
                scan and one with broken Huffman tables: whether nvJPEG raises, fills with libjpeg's grey or
                returns other pixels, and what DeviceDecoder counts (``rule_holds``: the truncated_jpeg rule
                of mmpretrain/data/jpeg.py finds the cut ones on the device as on the host).
+  crop_stage   data.decode=device's crop stage on 256 photos (224 px) the device takes: per-image (the
+               earlier code) against batched (mmpretrain/data/resample.py), host ms to issue and device ms to
+               finish a batch, pixel difference from the worker path, the nvJPEG backend, the decode's ms.
   loss_memory  peak CUDA memory above the inputs of one forward + backward of the tiled clip objective
                and of open_clip's ClipLoss at B = --loss-batch (D = 512).
   precision    every objective (tiled and not) under autocast in bf16 against fp32 on the device: relative
@@ -379,6 +382,77 @@ def jpeg_faults_section(args, device) -> dict:
     return out
 
 
+def crop_stage_section(args, device, n: int | None = None) -> dict:
+    """data.decode=device's crop stage on the device, per-image (the earlier code) against batched (now):
+    host ms to issue a batch, device ms to finish it (synchronised), pixel difference from the worker
+    path, the nvJPEG backend and the batched decode's time -- the measurement the choice on the CPU
+    (operator calls, scripts/bench/bench_device_step.py) stands in for."""
+    import io
+    import random
+
+    import torch
+    from PIL import Image
+
+    from mmpretrain.data.crop import ResizedCrop
+    from mmpretrain.data.decode import augmentation_seed
+    from mmpretrain.data.device_decode import DeviceDecoder, nvjpeg_backend
+    from mmpretrain.testing.photos import make_jpegs
+
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    from bench_device_step import per_image_crop
+
+    n = n or (256 if device.type == "cuda" else 16)
+    crop = ResizedCrop(224)
+    jpegs, boxes, seed = [], [], 0
+    while len(jpegs) < n:
+        for _, jpg in make_jpegs(64, seed=seed):
+            img = Image.open(io.BytesIO(jpg))
+            box = crop.sampler(img.width, img.height, random.Random(augmentation_seed(0, 0, f"{seed}/{len(jpegs)}")))
+            if crop.jpeg_reduction(box) == 1 and len(jpegs) < n:
+                jpegs.append(jpg)
+                boxes.append(list(box))
+        seed += 1
+    dec = DeviceDecoder(crop, device, batched=True)
+    blobs = [torch.frombuffer(bytearray(j), dtype=torch.uint8) for j in jpegs]
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    sync()
+    t0 = time.perf_counter()
+    images = dec._decode(blobs)
+    sync()
+    decode_ms = (time.perf_counter() - t0) * 1e3
+    worker = torch.stack([crop.apply(Image.open(io.BytesIO(j)), tuple(b)) for j, b in zip(jpegs, boxes)])
+    worker = worker.permute(0, 3, 1, 2).float()
+    out = {"images": n, "nvjpeg_backend": nvjpeg_backend(device), "decode_ms": round(decode_ms, 1),
+           "device_decode_failures": sum(im is None for im in images)}
+    if out["device_decode_failures"]:
+        return out
+    old_out = torch.empty((n, 224, 224, 3), dtype=torch.uint8, device=device)
+    new_out = torch.empty((n, 3, 224, 224), device=device)
+    bx = torch.tensor(boxes)
+    for name, fn, pixels in (("per_image", lambda: per_image_crop(images, boxes, (224, 224), old_out),
+                              lambda: old_out.permute(0, 3, 1, 2).float()),
+                             ("batched", lambda: dec.crop_stage(new_out, images, bx, torch.arange(n)), lambda: new_out)):
+        fn()
+        sync()
+        host, total = [], []
+        for _ in range(3):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            sync()
+            host.append((t1 - t0) * 1e3)
+            total.append((time.perf_counter() - t0) * 1e3)
+        diff = (pixels().cpu() - worker).abs()
+        out[name] = {"host_ms": round(min(host), 2), "device_ms": round(min(total), 2),
+                     "diff_mean": round(float(diff.mean()), 4), "diff_max": float(diff.max())}
+    return out
+
+
 def io_jpeg(jpg: bytes, **kw) -> bytes:
     """``jpg`` saved again by Pillow with ``kw`` (e.g. progressive=True)."""
     import io
@@ -464,10 +538,10 @@ def engines_section(args, data: Path) -> dict:
 
 # ------------------------------------------------------------------------------------------------- main
 
-SECTIONS = ("step", "jpeg_faults", "loss_memory", "precision", "engines", "kmeans")  # by value: what only a GPU shows first
+SECTIONS = ("step", "jpeg_faults", "crop_stage", "loss_memory", "precision", "engines", "kmeans")  # by value: what only a GPU shows first
 # seconds each section is expected to take on one H200 at the defaults (the run's own budget check;
 # gpu.json records what each took, to correct these)
-ESTIMATE_S = {"step": 100, "jpeg_faults": 5, "loss_memory": 10, "precision": 15, "engines": 90, "kmeans": 25}
+ESTIMATE_S = {"step": 100, "jpeg_faults": 5, "crop_stage": 15, "loss_memory": 10, "precision": 15, "engines": 90, "kmeans": 25}
 VERSIONED = ("torch", "torchvision", "transformers", "accelerate", "open_clip_torch", "webdataset", "pydantic",
              "deepspeed", "timm", "scikit-learn", "scikit-image", "typing_extensions", "numpy")
 
@@ -570,6 +644,8 @@ def main() -> int:
                     res["end_to_end"] = end_to_end(args, device, res["flops_per_step"]["ours"], res["peak_tflops"])
             elif section == "jpeg_faults":
                 res = jpeg_faults_section(args, device)
+            elif section == "crop_stage":
+                res = crop_stage_section(args, device)
             elif section == "loss_memory":
                 res = loss_memory_section(args, device)
             elif section == "precision":
