@@ -241,7 +241,7 @@ def ddp_checks(openmoji, tmp_path_factory) -> dict:
                       "train.progress=false", "train.log_with=[]", *DDP_RUN], "bad_shards": bad,
             "eval": ["--model", str(run_dir), *(a.format(data=openmoji) for a in DDP_EVAL), "--output",
                      str(out / "eval.json")],
-            "checks": ["unused", "masks", "steps"], "data": str(openmoji / "train"), "runs": str(out / "runs"),
+            "checks": ["unused", "masks", "steps", "nonfinite"], "data": str(openmoji / "train"), "runs": str(out / "runs"),
             "report": str(out / "report.json")}
     (out / "plan.json").write_text(json.dumps(plan))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",

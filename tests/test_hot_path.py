@@ -87,10 +87,21 @@ class PythonReads:
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_no_host_sync_in_a_step_that_does_not_log(openmoji, tmp_path, name, monkeypatch):
+    _no_sync(openmoji / "train", tmp_path, name, CONFIGS[name], monkeypatch)
+
+
+def test_no_host_sync_in_a_distill_step(teacher_data, tmp_path, monkeypatch):
+    """distill (DataCompDR) from the stored teacher rows: none either."""
+    from conftest import TEACHER
+
+    _no_sync(teacher_data["data"], tmp_path, "distill", [*TEACHER, "loss=[{name: clip}, {name: distill}]"],
+             monkeypatch)
+
+
+def _no_sync(data, tmp_path, name, overrides, monkeypatch):
     from mmpretrain.train import loop, train_step
 
-    run = setup_run(openmoji / "train", tmp_path / name, "train.steps=10", "data.batch_size=16", "data.num_workers=0",
-                    *CONFIGS[name])
+    run = setup_run(data, tmp_path / name, "train.steps=10", "data.batch_size=16", "data.num_workers=0", *overrides)
     batches = iter(run.loader)
     train_step(run, next(batches))  # the first step may set things up
     run.state.step += 1

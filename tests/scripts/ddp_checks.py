@@ -16,6 +16,9 @@ start-up and imports on 2 cores. argv[1]: a JSON plan, in the order run:
     are the same on both;
   - ``steps``: tests/scripts/step_equivalence.py's float64 steps with the global batch split over the 2
     ranks (its ``default`` set).
+  - ``nonfinite`` (``nonfinite``): the loss non-finite on rank 1 only, at step 2 of 4, with
+    train.nonfinite=skip and a log every 2 steps: both ranks skip it on the device (the flag is
+    all-reduced), count it at the log step, and end with the same weights.
 - ``bad_shards``: ``{name: [train arguments]}``, each run through the trainer's ``main`` like ``train``
   (4 shards, one damaged: tests/reliability/test_stream_fill.py); ``bad_<name>``: its exit status and
   its last log record.
@@ -75,6 +78,31 @@ def masks(data: str, out_dir: Path, report: dict) -> None:
     report["masks_differ"] = not torch.equal(f_all[0], f_all[1])
 
 
+def nonfinite(data: str, out_dir: Path, report: dict) -> None:
+    from mmpretrain.train import fit, setup
+
+    run = setup(config(data, out_dir / "nonfinite", "train.steps=4", "train.log_every=2", "train.nonfinite=skip"))
+    objective, rank = run.objective, run.accelerator.process_index
+
+    class NanOnRank1:
+        def __getattr__(self, name):
+            return getattr(objective, name)
+
+        def __call__(self, **kw):
+            out = objective(**kw)
+            if rank == 1 and run.state.step == 2:
+                out = {k: v * float("nan") if k.endswith("_loss") else v for k, v in out.items()}
+            return out
+
+    run.objective = NanOnRank1()
+    fit(run)
+    clip = run.accelerator.unwrap_model(run.model).clip
+    weights = float(sum(p.detach().double().sum() for p in clip.parameters()))
+    counts = gather_object([(run.state.nonfinite_steps, weights, run.nonfinite.on_device)])
+    report["nonfinite"] = {"counts": [c[0] for c in counts], "same_weights": counts[0][1] == counts[1][1],
+                           "finite_weights": all(c[1] == c[1] for c in counts), "on_device": [c[2] for c in counts]}
+
+
 def main(plan_path: str) -> None:
     from accelerate import PartialState
 
@@ -104,6 +132,8 @@ def main(plan_path: str) -> None:
         from step_equivalence import main as steps  # this script's folder is on sys.path
 
         report["steps"] = steps(None, "default")
+    if ok and "nonfinite" in checks:
+        nonfinite(data, out_dir, report)
     if ok and plan.get("bad_shards"):
         from mmpretrain.train.cli import main as train
 
