@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import nn
 
 
