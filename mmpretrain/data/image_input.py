@@ -41,7 +41,8 @@ class ImageInput:
     def __call__(self, batch: dict[str, Any], device: torch.device) -> torch.Tensor:
         """The model's input for ``batch``: on ``device``, normalised, in the run's layout and dtype. A batch
         not decoded ahead (a direct ``train_step`` call) is decoded here."""
-        if self.decoder is not None and (any(k in batch for k in KEYS) or batch["images"].dtype == torch.uint8):
+        if self.decoder is not None and (any(k in batch for k in KEYS) or batch.get("images") is None
+                                         or batch["images"].dtype == torch.uint8):
             self.decoder(batch)
         images = batch["images"].to(device, non_blocking=True)
         if self.normalize is not None:  # uint8 from the loader (a quarter of the bytes); float passes as is

@@ -120,42 +120,44 @@ def fit(run: Run) -> dict[str, Any]:
     t0, last, last_step = time.time(), time.time(), st.step
     rec: dict[str, Any] = {}
     waited = 0.0  # seconds spent waiting for the loader since the last record (open_clip's data_time)
-    while st.step < sched.total_steps:
-        t_wait = time.perf_counter()
-        batch = next(it)
-        waited += time.perf_counter() - t_wait
-        st.skipped.update(batch["skipped"])
-        st.position.advance(batch)
-        res = train_step(run, batch)
-        st.step += 1
-        st.samples += sched.global_batch_size
-        bar.update(1)
-        end = st.step == sched.total_steps
-        diag = bool(sched.diagnostics_every) and (st.step % sched.diagnostics_every == 0 or end)
-        log = st.step % cfg.train.log_every == 0 or end or diag
-        evaluating = run.evaluator is not None and (st.step % cfg.eval.every == 0 or end)
-        saving = bool(cfg.train.save_every) and st.step % cfg.train.save_every == 0 and not end
-        if log or evaluating or saving:  # the device's non-finite count, read (train.nonfinite may stop here)
-            run.nonfinite.settle(st, cfg)
-        if log:
-            rec = log_record(run, res.terms, res.loss, res.terms["lr"], last, st.step - last_step, res.logit_scale)
-            # this rank's (the main process's) wait for data: per step, and as a share of the interval
-            rec["data_time"] = waited / max(1, st.step - last_step)
-            rec["data_wait_fraction"] = min(1.0, waited / max(time.time() - last, 1e-9))
-            waited = 0.0
-            if diag:
-                rec.update(diagnostics(run, res.features))
-            last, last_step = time.time(), st.step
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", scale=f"{rec['logit_scale']:.1f}",
-                            samples_s=f"{rec['samples_per_s']:.0f}")
-            run.write(rec)
-        if evaluating:
-            run.write(evaluate(run))
-        if saving:
-            checkpoint(run)
+    try:
+        while st.step < sched.total_steps:
+            t_wait = time.perf_counter()
+            batch = next(it)
+            waited += time.perf_counter() - t_wait
+            st.skipped.update(batch["skipped"])
+            st.position.advance(batch)
+            res = train_step(run, batch)
+            st.step += 1
+            st.samples += sched.global_batch_size
+            bar.update(1)
+            end = st.step == sched.total_steps
+            diag = bool(sched.diagnostics_every) and (st.step % sched.diagnostics_every == 0 or end)
+            log = st.step % cfg.train.log_every == 0 or end or diag
+            evaluating = run.evaluator is not None and (st.step % cfg.eval.every == 0 or end)
+            saving = bool(cfg.train.save_every) and st.step % cfg.train.save_every == 0 and not end
+            if log or evaluating or saving:  # the device's non-finite count, read (train.nonfinite may stop here)
+                run.nonfinite.settle(st, cfg)
+            if log:
+                rec = log_record(run, res.terms, res.loss, res.terms["lr"], last, st.step - last_step, res.logit_scale)
+                # this rank's (the main process's) wait for data: per step, and as a share of the interval
+                rec["data_time"] = waited / max(1, st.step - last_step)
+                rec["data_wait_fraction"] = min(1.0, waited / max(time.time() - last, 1e-9))
+                waited = 0.0
+                if diag:
+                    rec.update(diagnostics(run, res.features))
+                last, last_step = time.time(), st.step
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", scale=f"{rec['logit_scale']:.1f}",
+                                samples_s=f"{rec['samples_per_s']:.0f}")
+                run.write(rec)
+            if evaluating:
+                run.write(evaluate(run))
+            if saving:
+                checkpoint(run)
+    finally:  # the decoding thread (data.decode=device) stops with the loop, however it ends
+        if isinstance(it, Prefetcher):
+            it.close()
     bar.close()
-    if isinstance(it, Prefetcher):
-        it.close()
     ckpt = checkpoint(run)
     if run.log is not None:
         plot_run(run.log.records, run.histograms, run.files.plots)
