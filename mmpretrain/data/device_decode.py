@@ -40,7 +40,7 @@ import torch
 from PIL import Image
 
 from mmpretrain.data.crop import Box, ResizedCrop
-from mmpretrain.data.jpeg import FILL, TruncatedJpeg
+from mmpretrain.data.jpeg import FILL, TruncatedJpeg, tail_box
 from mmpretrain.data.resample import crop_resize, pad
 
 #: the keys a batch carries for the device decoder (collate writes them, DeviceDecoder removes them)
@@ -212,8 +212,8 @@ class DeviceDecoder:
         pixels, greys = [], []
         for img, (top, left, h, w) in zip(images, boxes):
             pixels.append(F.resized_crop(img, top, left, h, w, list(self.crop.size), interpolation=mode, antialias=True))
-            ty, tx = (img.shape[-2] - 1) // 8 * 8, (img.shape[-1] - 1) // 8 * 8
-            greys.append((img[:, ty:, tx:] == FILL).all())
+            top, left, bottom, right = tail_box(img.shape[-2], img.shape[-1])
+            greys.append((img[:, top:bottom, left:right] == FILL).all())
         self._put(out, slots, torch.stack(pixels).to(torch.float32))
         return torch.stack(greys)
 
