@@ -28,11 +28,19 @@ from mmpretrain.data.stream import StreamPosition, TrainStream, make_loader
 from mmpretrain.data.teacher import attach_teachers
 from mmpretrain.eval import Evaluator, load_task_data
 from mmpretrain.hub_cache import offline, require_model
+from mmpretrain.launch import engine_of
 from mmpretrain.losses import WeightedObjective, build_objective
 from mmpretrain.models import factory
 from mmpretrain.models.target_encoder import choose_target_source, load_target_encoder
 from mmpretrain.run_files import JsonlLog, RunFolder, provenance
-from mmpretrain.train.checkpoint import build_position, check_layout, decide_resume, restore_state
+from mmpretrain.train.checkpoint import (
+    CheckpointWriteError,
+    build_position,
+    check_disk,
+    check_layout,
+    decide_resume,
+    restore_state,
+)
 from mmpretrain.train.engine import configure_engine, engine_requested, input_dtype, make_accelerator
 from mmpretrain.train.schedule import Schedule, param_groups, resolve_schedule
 from mmpretrain.train.state import Run, TrainState, numeric
@@ -326,6 +334,12 @@ def setup(cfg: ExperimentConfig) -> Run:
     loader = build_loader(cfg, data, model, objective, target_from, state.position if saved is not None else None, rank,
                           acc.device.type == "cuda", embedding_dim(cfg, data.sources, target_from, model), images)
     configure_engine(cfg, acc, data.schedule)
+    try:  # every rank: under FSDP and DeepSpeed each writes its shard of every checkpoint
+        disk_note = check_disk(files, model.module, cfg.train.keep_last, engine_of(acc.distributed_type))
+    except CheckpointWriteError as e:
+        raise ConfigError(str(e)) from None
+    if disk_note and acc.is_main_process:
+        print(f"note: {disk_note}", file=sys.stderr)
     if cfg.train.channels_last:
         model.module.to(memory_format=torch.channels_last)
     module, optimizer = acc.prepare(model.module, make_optimizer(cfg, model.module))

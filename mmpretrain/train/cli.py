@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     from mmpretrain.data.device_decode import DeviceDecodeError
     from mmpretrain.data.stream import StreamError
     from mmpretrain.train.build import setup
+    from mmpretrain.train.checkpoint import CheckpointWriteError
     from mmpretrain.train.loop import fit
 
     try:
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     except StreamError as e:
         print(f"error: {StreamError.line_of(e)}", file=sys.stderr)
         return 1
-    except DeviceDecodeError as e:
+    except (DeviceDecodeError, CheckpointWriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     run.accelerator.end_training()
