@@ -13,7 +13,8 @@ import torch
 from safetensors import SafetensorError
 
 from mmpretrain.run_files import RunFolder
-from mmpretrain.train.checkpoint import CheckpointWriteError, check_disk, checkpoint_bytes, save_checkpoint
+from mmpretrain.train.checkpoint import save_checkpoint
+from mmpretrain.train.disk import CheckpointWriteError, check_disk, checkpoint_bytes
 
 from conftest import train
 
@@ -95,13 +96,13 @@ def test_the_cli_refuses_a_disk_without_room_and_resumes_after_a_save_ran_out_of
                                                                                       monkeypatch):
     import accelerate
 
-    from mmpretrain.train import checkpoint
+    from mmpretrain.train import disk
 
     run = tmp_path / "run"
     args = (openmoji / "train", run, "train.steps=4", "train.save_every=2", "data.batch_size=16",
             "data.num_workers=0")
     with monkeypatch.context() as m:
-        m.setattr(checkpoint, "_free_bytes", lambda path: 10 * MIB)
+        m.setattr(disk, "free_bytes", lambda path: 10 * MIB)
         r = train(*args)
     assert r.returncode == 2, r.stderr
     assert "error: run_dir=" in r.stderr and "one checkpoint needs" in r.stderr and "Traceback" not in r.stderr

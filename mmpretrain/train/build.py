@@ -33,14 +33,8 @@ from mmpretrain.losses import WeightedObjective, build_objective
 from mmpretrain.models import factory
 from mmpretrain.models.target_encoder import choose_target_source, load_target_encoder
 from mmpretrain.run_files import JsonlLog, RunFolder, provenance
-from mmpretrain.train.checkpoint import (
-    CheckpointWriteError,
-    build_position,
-    check_disk,
-    check_layout,
-    decide_resume,
-    restore_state,
-)
+from mmpretrain.train.checkpoint import build_position, check_layout, decide_resume, restore_state
+from mmpretrain.train.disk import CheckpointWriteError, check_disk
 from mmpretrain.train.engine import configure_engine, engine_requested, input_dtype, make_accelerator
 from mmpretrain.train.schedule import Schedule, param_groups, resolve_schedule
 from mmpretrain.train.state import Run, TrainState, numeric

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     from mmpretrain.data.device_decode import DeviceDecodeError
     from mmpretrain.data.stream import StreamError
     from mmpretrain.train.build import setup
-    from mmpretrain.train.checkpoint import CheckpointWriteError
+    from mmpretrain.train.disk import CheckpointWriteError
     from mmpretrain.train.loop import fit
 
     try:
