@@ -114,6 +114,20 @@ def crop_resize(padded: torch.Tensor, boxes: torch.Tensor, size: tuple[int, int]
     b = boxes.to(padded.device, non_blocking=True)
     wy = weights(zero, b[:, 2], out_h, x.shape[-2], interpolation)  # (N, out_h, h_max)
     wx = weights(zero, b[:, 3], out_w, x.shape[-1], interpolation)  # (N, out_w, w_max)
-    rows = torch.matmul(x.to(torch.float32), wx.transpose(1, 2).unsqueeze(1))  # (N, 3, h_max, out_w)
+    rows = _exact_matmul(x.to(torch.float32), wx.transpose(1, 2).unsqueeze(1), weights_right=True)  # (N, 3, h_max, out_w)
     rows = rows.round_().clamp_(0, 255)  # Pillow's 8-bit intermediate
-    return torch.matmul(wy.unsqueeze(1), rows).round_().clamp_(0, 255)
+    return _exact_matmul(wy.unsqueeze(1), rows, weights_right=False).round_().clamp_(0, 255)
+
+
+def _exact_matmul(a: torch.Tensor, b: torch.Tensor, weights_right: bool) -> torch.Tensor:
+    """``a @ b`` for 8-bit pixel values and float32 filter weights, exact to float32 whether or not TF32
+    is on. The trainer turns TF32 on on a GPU, and a TF32 product keeps 10 bits of each weight's mantissa
+    (~5e-4 relative: a pixel off by a grey level). The weights are split into a part that TF32 holds
+    exactly (their top 10 mantissa bits) and the rest, so ``a @ hi + a @ lo`` loses only the rest's
+    rounding (~2^-21 of a weight); the pixels, integers up to 255, are exact in TF32 already."""
+    w = b if weights_right else a
+    hi = (w.view(torch.int32) & -8192).view(torch.float32)  # -8192 = ~0x1FFF: the low 13 mantissa bits cleared
+    lo = w - hi
+    if weights_right:
+        return torch.matmul(a, hi) + torch.matmul(a, lo)
+    return torch.matmul(hi, b) + torch.matmul(lo, b)

@@ -4,6 +4,7 @@ prepared, and the dtype the batch's images take."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -21,6 +22,34 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+def set_tf32(enabled: bool) -> dict[str, bool]:
+    """TF32 for fp32 matmuls (cuBLAS) and convolutions (cuDNN), on or off; returns the setting it
+    replaced (:func:`tf32` gives it back). One API only, the ``allow_tf32`` flags: torch refuses to read
+    a setting made through both it and the newer ``fp32_precision`` one, and inductor (torch.compile),
+    accelerate (dynamo in fp32) and open_clip_train still use ``allow_tf32`` (torch issue 166387), so
+    writing ``fp32_precision`` here would break them."""
+    before = tf32_state()
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    return before
+
+
+def tf32_state() -> dict[str, bool]:
+    """The TF32 setting in force: ``{"matmul": ..., "cudnn": ...}``."""
+    return {"matmul": bool(torch.backends.cuda.matmul.allow_tf32), "cudnn": bool(torch.backends.cudnn.allow_tf32)}
+
+
+@contextlib.contextmanager
+def tf32(enabled: bool):
+    """TF32 on or off for the block, the earlier setting restored after it."""
+    before = set_tf32(enabled)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before["matmul"]
+        torch.backends.cudnn.allow_tf32 = before["cudnn"]
+
+
 def make_accelerator(cfg: ExperimentConfig) -> Accelerator:
     cpu = on_cpu()
     if cfg.train.precision == "fp16" and cpu:  # accelerate's loss scaling needs one
@@ -35,8 +64,7 @@ def make_accelerator(cfg: ExperimentConfig) -> Accelerator:
         raise ConfigError(f"the accelerate config asks for {engine}, which needs GPUs; this machine has none. "
                           "Launch with configs/accelerate/cpu-2proc.yaml (gloo data parallelism) on a CPU")
     if not cpu:  # open_clip_train's GPU defaults: TF32 matmuls and convolutions, cuDNN autotuning
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        set_tf32(True)
         torch.backends.cudnn.benchmark = True
     dynamo = None
     if cfg.train.compile:
