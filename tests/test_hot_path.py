@@ -60,6 +60,8 @@ CONFIGS = {
                    "train.micro_batch_size=8"],
     "soft_target_cwcl_vrn": ["loss=[{name: soft_target}, {name: cwcl, weight: 0.5}, {name: vrn, weight: 0.5}]"],
     "global_clip": ["loss=[{name: global_clip}]"],
+    # clustered after the first step (a full bank of 16), region terms active in the step counted
+    "regions": ["loss=[{name: regions, options: {base: clip, scales: [2, 4], bank_size: 16, refresh_every: 100}}]"],
     "device_decode": ["data.decode=device", "train.precision=bf16"],
     # foreach AdamW cannot skip an update on the device: the decision is read on the host, once
     "foreach": ["optim.implementation=foreach"],

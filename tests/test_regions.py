@@ -54,6 +54,7 @@ def with_centroids(module, centroids):
     for j, c in enumerate(centroids):
         setattr(module, f"centroids_{j}", c.float())
     module.last_refresh.fill_(0)
+    module._last_refresh = 0  # the host copy the step decides from
     return module
 
 
@@ -225,3 +226,59 @@ def test_two_ranks_agree_with_each_other_and_with_one_process(two_rank_runs, pat
         # DDP averages parameter gradients: each rank's feature gradient / 2 is the one-process gradient
         torch.testing.assert_close(torch.cat([gx0, gx1]) / 2, gx, **TOL)
         torch.testing.assert_close(torch.cat([gy0, gy1]) / 2, gy, **TOL)
+
+
+def test_the_masked_pass_in_row_tiles_builds_no_batch_square_and_equals_one_tile(monkeypatch):
+    """The masked pass (every region of a scale at once) in tiles of 4 rows against the 64-sample batch:
+    the largest product is 4 x 64, not 64 x 64, and value and gradient equal the single-tile pass and
+    the per-region reference; the tiles are recomputed in the backward, not kept."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mmpretrain.losses import region_math as regions
+
+    x, y, _ = feats(64, 5)
+    assign = torch.arange(64) % 5
+    sizes = F.one_hot(assign, 5).sum(0)
+    whole = regions.masked_clip_regions(x, y, S, assign, sizes)
+    gx, gy = torch.autograd.grad(whole.sum(), (x, y))
+
+    class Shapes(TorchDispatchMode):
+        """The shapes of every tensor any operator makes, forward and backward."""
+
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(o, torch.Tensor):
+                    self.seen.add(tuple(o.shape))
+            return out
+
+    with Shapes() as one_tile:
+        torch.autograd.grad(regions.masked_clip_regions(x, y, S, assign, sizes).sum(), (x, y))
+    assert (64, 64) in one_tile.seen  # the batch square, which the tiles avoid
+    monkeypatch.setattr(regions, "TILE_ELEMENTS", 256)
+    assert regions.tile_rows(64) == 4
+    with Shapes() as tiles:
+        tiled = regions.masked_clip_regions(x, y, S, assign, sizes)
+        tx, ty = torch.autograd.grad(tiled.sum(), (x, y))
+    # tiles of 4 rows against the 64 columns; no logits of more rows ((16, 64) is y.T, D x N; (5, 64)
+    # the one-hot of the 5 regions, m x N)
+    assert (4, 64) in tiles.seen and not {(n, 64) for n in range(6, 65) if n != D} & tiles.seen
+    torch.testing.assert_close(tiled, whole, **TOL)
+    torch.testing.assert_close(tx, gx, **TOL)
+    torch.testing.assert_close(ty, gy, **TOL)
+    for r in range(5):  # each region: the base objective over its own rows and columns
+        idx = torch.nonzero(assign == r).flatten()
+        torch.testing.assert_close(whole[r], naive_clip(x[idx], y[idx], S), **TOL)
+
+
+def test_purity_counts_each_regions_most_frequent_label():
+    from mmpretrain.losses.region_math import purity as _purity
+
+    assign = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])
+    labels = torch.tensor([5, 5, 7, 1, -1, 3, 4, 3])  # region 0: 2 of 3, region 1: 1 of 1 known, region 2: 2 of 3
+    assert _purity(assign, labels, 4).item() == pytest.approx(5 / 7)
+    assert math.isnan(_purity(assign, torch.full((8,), -1), 4).item())

@@ -43,6 +43,12 @@ Distributed: the region losses are computed on the gathered batch (features gath
 and have the same value on every rank, like clip's global form; the all-gather's backward sums the
 ranks' gradients, so with DDP averaging the gradient equals one process holding the whole batch.
 
+On a GPU with ``base="clip"`` (no queue, no ``chunk_size``) a step reads nothing on the host: every
+region of a scale comes from one masked pass in row tiles (no ``B x B`` matrix above a gathered batch
+of 4,096: :data:`~mmpretrain.losses.region_math.TILE_ELEMENTS`), sizes and weights stay on the device, the bank's pointer is kept on
+the host as well, and only a re-clustering step (k-means on the host) reads. Other bases, a queue or
+tiles take one call per present region, which reads the regions present (a sync a step).
+
 ``queue_size > 0`` (``base="clip"`` only) keeps a queue of past detached image and text embeddings;
 queue entries in a region add in-region negatives (columns) to that region's loss. Off by default.
 """
@@ -60,6 +66,7 @@ import torch.nn.functional as F
 from mmpretrain.losses.base import Objective
 from mmpretrain.losses.clusters import kmeans, match, nearest
 from mmpretrain.losses.distributed import gather_no_grad, gather_with_grad
+from mmpretrain.losses.region_math import hedge_update, masked_clip_regions, one_hot, purity, tile_rows
 from mmpretrain.losses.registry import OBJECTIVES
 
 # The masked pass costs O(S * N^2) elementwise work in a few kernels, the per-region calls
@@ -67,21 +74,8 @@ from mmpretrain.losses.registry import OBJECTIVES
 # 2-core CPU (scales [5, 10, 20], D 512, forward + backward) the masked pass is 3.5x faster at N = 128
 # and 2.3x slower at N = 1024, so on CPU it is used up to this gathered batch size.
 MASKED_CPU_MAX = 512
-
-
 def _sum_losses(out: dict[str, torch.Tensor]) -> torch.Tensor:
     return sum(v for k, v in out.items() if k.endswith("_loss"))
-
-
-def hedge_update(log_q: torch.Tensor, losses: torch.Tensor, present: torch.Tensor, eta: float) -> torch.Tensor:
-    """``q_r <- q_r exp(eta L_r) / Z`` over the present regions, keeping their total mass; absent
-    regions keep their weight. In log space; returns normalised log-weights."""
-    new = log_q.clone()
-    lp = log_q[present]
-    mass = torch.logsumexp(lp, 0)
-    upd = lp + eta * losses[present]
-    new[present] = upd - torch.logsumexp(upd, 0) + mass
-    return new - torch.logsumexp(new, 0)
 
 
 class RegionLoss(Objective):
@@ -176,6 +170,10 @@ class RegionLoss(Objective):
         self.register_buffer("bank_count", torch.zeros((), dtype=torch.long))
         self.register_buffer("last_refresh", torch.full((), -1, dtype=torch.long))
         self.register_buffer("steps_seen", torch.zeros((), dtype=torch.long))
+        # host copies of the bank's pointer and count and of the last refresh step: the step decides
+        # when to re-cluster from them without reading the device (set again from a loaded state)
+        self._bank_ptr = self._bank_count = 0
+        self._last_refresh = -1
         if queue_size:
             for name in ("queue_image", "queue_text", "queue_key"):
                 self.register_buffer(name, torch.empty(0))
@@ -191,6 +189,9 @@ class RegionLoss(Objective):
             if buf is not None and saved is not None and buf.shape != saved.shape:
                 self._buffers[name] = torch.empty(saved.shape, dtype=saved.dtype, device=buf.device)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        for name in ("bank_ptr", "bank_count", "last_refresh"):  # once, at load: the step reads its host copies
+            if prefix + name in state_dict:
+                setattr(self, f"_{name}", int(state_dict[prefix + name]))
 
     def q(self, j: int) -> torch.Tensor:
         """The weights of scale ``j`` (index into ``scales``) on the simplex."""
@@ -214,10 +215,18 @@ class RegionLoss(Objective):
         buf[idx] = rows
 
     def _push(self, key: torch.Tensor) -> None:
-        self._ring("bank", key, self.bank_size)
-        n = min(key.shape[0], self.bank_size)
-        self.bank_ptr.fill_((int(self.bank_ptr) + n) % self.bank_size)
-        self.bank_count.fill_(min(int(self.bank_count) + n, self.bank_size))
+        """The batch's keys into the bank's ring, positions from the host copy of its pointer."""
+        buf = self.bank
+        if buf.numel() == 0:
+            buf = self.bank = torch.zeros(self.bank_size, key.shape[1], dtype=torch.float32, device=key.device)
+        rows = key[-self.bank_size:].to(buf)
+        n = rows.shape[0]
+        idx = (self._bank_ptr + torch.arange(n, device=buf.device)) % self.bank_size
+        buf[idx] = rows
+        self._bank_ptr = (self._bank_ptr + n) % self.bank_size
+        self._bank_count = min(self._bank_count + n, self.bank_size)
+        self.bank_ptr.fill_(self._bank_ptr)
+        self.bank_count.fill_(self._bank_count)
 
     def _push_queue(self, x: torch.Tensor, y: torch.Tensor, key: torch.Tensor) -> None:
         for name, rows in (("queue_image", x), ("queue_text", y), ("queue_key", key)):
@@ -228,7 +237,7 @@ class RegionLoss(Objective):
 
     def _refresh(self, step: int) -> None:
         """Re-cluster the bank at every scale (rank 0) and give every rank the same centroids and weights."""
-        bank = self.bank[: int(self.bank_count)]
+        bank = self.bank[: self._bank_count]
         for j, m in enumerate(self.scales):
             old = self.centroids(j)
             if self.rank == 0:
@@ -242,15 +251,17 @@ class RegionLoss(Objective):
             for j in range(len(self.scales)):
                 dist.broadcast(self.centroids(j), src=0)
                 dist.broadcast(getattr(self, f"log_q_{j}"), src=0)
+        self._last_refresh = step
         self.last_refresh.fill_(step)
 
     # ---------------------------------------------------------------------------------------- forward
 
     def largest_matrix(self, batch: int) -> int:
-        """The base objective's, or the gathered batch squared: the region terms' logits (one masked
-        ``B x B`` product on a GPU; each region's rows and columns, at most the batch, on a CPU)."""
+        """The base objective's, or the region terms' logits: a row tile of the masked pass (the gathered
+        batch squared up to 4,096, then ``region_math.TILE_ELEMENTS``); on a CPU above :data:`MASKED_CPU_MAX`
+        each region's own rows and columns (a region's size squared)."""
         gathered = batch * self.world_size
-        return max(self.global_term.largest_matrix(batch), gathered * gathered)
+        return max(self.global_term.largest_matrix(batch), gathered * tile_rows(gathered))
 
     def forward(
         self,
@@ -287,9 +298,11 @@ class RegionLoss(Objective):
             key = F.normalize((all_x if self.space == "image" else all_t).detach().float(), dim=-1)
             all_labels = None if labels is None else gather_no_grad(labels.to(key.device).long(), W)
             finite = torch.isfinite(key).all(1)
-            self._push(key[finite])
-            due = (not self.clustered and int(self.bank_count) >= self.min_bank) or (
-                self.clustered and step - int(self.last_refresh) >= self.refresh_every)
+            # a row whose features are not finite enters the bank as zeros (the trainer skips such a
+            # step's update); dropping it would need its count on the host
+            self._push(key.masked_fill(~finite[:, None], 0.0))
+            due = (not self.clustered and self._bank_count >= self.min_bank) or (
+                self.clustered and step - self._last_refresh >= self.refresh_every)
             if due:
                 self._refresh(step)
         warm = step < self.warmup_steps or epoch <= self.warmup_epochs
@@ -298,43 +311,48 @@ class RegionLoss(Objective):
         if not self.clustered:
             return {"regions_loss": global_loss, **out}
         eta = self.eta0 / epoch
-        scale_terms, logits = [], None
+        scale_terms = []
         for j, m in enumerate(self.scales):
             with torch.no_grad():
                 assign = nearest(key, self.centroids(j).to(key))
-                sizes = torch.bincount(assign, minlength=m)
+                sizes = one_hot(assign, m).sum(0)  # bincount would read its largest value on the host
             present = sizes >= 2
             tag = f"regions/m{m}"
             # diagnostics stay on the device: the trainer copies them to the host on logging steps only
             out[f"{tag}/sizes"] = sizes.detach()
             out[f"{tag}/skipped"] = (~present).sum().float()
             if all_labels is not None:
-                out[f"{tag}/purity"] = _purity(assign, all_labels, m)
-            if active and bool(present.any()):
-                if self._masked_clip and (all_x.is_cuda or all_x.shape[0] <= MASKED_CPU_MAX):
-                    if logits is None:  # one B x B product serves every scale
-                        logits = base_in["logit_scale"] * all_x @ all_y.T
-                    every = masked_clip_regions(logits, assign, sizes)
-                    losses = every.detach().masked_fill(~present, 0.0)
-                    parts = every[present]
-                else:
-                    losses = torch.zeros(m, dtype=global_loss.dtype, device=global_loss.device)
-                    parts = []
-                    for r in torch.nonzero(present).flatten().tolist():
-                        idx = torch.nonzero(assign == r).flatten()
-                        loss_r = self._local(all_x, all_y, all_t, idx, r, j, base_in)
-                        parts.append(loss_r)
-                        losses[r] = loss_r.detach()
-                    parts = torch.stack(parts)
+                out[f"{tag}/purity"] = purity(assign, all_labels, m)
+            masked = self._masked_clip and (all_x.is_cuda or all_x.shape[0] <= MASKED_CPU_MAX)
+            if active and masked:  # every region of the scale in row tiles, nothing read on the host
+                every = masked_clip_regions(all_x, all_y, base_in["logit_scale"], assign, sizes)
+                losses = every.detach().masked_fill(~present, 0.0)
+                weights = self.q(j).masked_fill(~present, 0.0)
+                weights = (weights / weights.sum().clamp_min(1e-300)).to(global_loss.dtype)
+                scale_terms.append((weights * every.masked_fill(~present, 0.0)).sum())
+                with torch.no_grad():
+                    log_q = getattr(self, f"log_q_{j}")
+                    log_q.copy_(torch.where(torch.isfinite(losses).all(), hedge_update(
+                        log_q, losses.to(log_q.dtype), present, eta), log_q))
+            elif active and bool(present.any()):  # one call per region: its rows and columns only
+                losses = torch.zeros(m, dtype=global_loss.dtype, device=global_loss.device)
+                parts = []
+                for r in torch.nonzero(present).flatten().tolist():
+                    idx = torch.nonzero(assign == r).flatten()
+                    loss_r = self._local(all_x, all_y, all_t, idx, r, j, base_in)
+                    parts.append(loss_r)
+                    losses[r] = loss_r.detach()
                 weights = self.q(j)[present]
                 weights = (weights / weights.sum()).to(global_loss.dtype)
-                scale_terms.append((weights * parts).sum())
+                scale_terms.append((weights * torch.stack(parts)).sum())
                 with torch.no_grad():
                     if torch.isfinite(losses).all():
                         log_q = getattr(self, f"log_q_{j}")
                         log_q.copy_(hedge_update(log_q, losses.to(log_q.dtype), present, eta))
             q = self.q(j)
-            if active:
+            if active and masked:
+                out[f"{tag}/losses"] = losses.float()
+            elif active:
                 out[f"{tag}/losses"] = losses.float() if bool(present.any()) else torch.zeros(m)
             out[f"{tag}/q_entropy"] = -(q * q.clamp_min(1e-300).log()).sum().float()
             out[f"{tag}/q_max"] = q.max().float()
@@ -362,23 +380,3 @@ class RegionLoss(Objective):
                       + F.cross_entropy(s * y @ torch.cat([x, qx]).T, labels))
 
 
-def masked_clip_regions(logits: torch.Tensor, assign: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-    """Per region ``r``, symmetric InfoNCE over the region's own rows and columns of ``logits (N, N)``
-    (row ``i``'s normaliser runs over the ``j`` with ``assign[j] == assign[i]``): ``(m,)``, 0 for empty regions."""
-    same = assign[:, None] == assign[None, :]
-    masked = logits.masked_fill(~same, float("-inf"))
-    pos = logits.diagonal()
-    ce = (masked.logsumexp(1) - pos) + (masked.logsumexp(0) - pos)  # image->text row + text->image column
-    total = torch.zeros(sizes.shape[0], dtype=logits.dtype, device=logits.device).index_add(0, assign, ce)
-    return total / (2 * sizes.clamp_min(1).to(logits.dtype))
-
-
-def _purity(assign: torch.Tensor, labels: torch.Tensor, m: int) -> torch.Tensor:
-    """Share of the labelled samples that carry their region's most frequent label (nan: no labels)."""
-    known = labels >= 0
-    if not bool(known.any()):
-        return torch.tensor(float("nan"))
-    a, y = assign[known], labels[known]
-    k = int(y.max()) + 1
-    counts = torch.bincount(a * k + y, minlength=m * k).view(m, k)
-    return (counts.max(1).values.sum() / known.sum()).float()
