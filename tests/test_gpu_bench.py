@@ -23,36 +23,64 @@ def bundle(openmoji: Path, tmp_path: Path) -> Path:
     return b
 
 
-def bench(tmp_path: Path, openmoji: Path, *extra: str, env: dict | None = None) -> dict:
+def bench(tmp_path: Path, openmoji: Path, *extra: str, env: dict | None = None, rc: int = 0) -> dict:
     r = subprocess.run(["bash", str(ROOT / "scripts/bench/bench_gpu.sh"), "--bundle", str(bundle(openmoji, tmp_path)),
                         "--cpu", *extra], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"), **(env or {})})
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    return json.loads((tmp_path / "out/gpu.json").read_text())["sections"]
+    assert r.returncode == rc, (r.stdout + r.stderr)[-4000:]
+    out = json.loads((tmp_path / "out/gpu.json").read_text())
+    out["stderr"] = r.stderr
+    return out
 
 
-@pytest.mark.slow  # ~65 s; the sections' pieces are tested on their own (test_precision, test_regions, test_engines)
-def test_gpu_bench_cpu_path_runs_every_section(openmoji, tmp_path):
-    res = bench(tmp_path, openmoji)
-    versions = json.loads((tmp_path / "out/gpu.json").read_text())["versions"]
-    assert versions["torch"]["from"] == "machine" and versions["open_clip_torch"]["version"]
-    step = res["step"]
+@pytest.mark.slow  # ~90 s; the sections' pieces are tested on their own (test_precision, test_regions, test_engines)
+def test_gpu_check_rehearsal_with_a_fault_in_the_end_to_end_path(openmoji, tmp_path):
+    """The whole check on the CPU, the device side of the end-to-end steps made to fail: it exits 1 naming
+    that measurement, and everything else -- the fixed-batch step figures, the other end-to-end sides,
+    every later section -- is in gpu.json with its measured time."""
+    from conftest import script
+
+    ESTIMATE_S = script("scripts/bench/gpu_bench.py").ESTIMATE_S
+    assert sum(ESTIMATE_S.values()) <= 240  # one H200, by the sections' estimates
+    fault = "step.end_to_end.ours_decode_device"
+    out = bench(tmp_path, openmoji, "--", "--fault", fault, rc=1)
+    assert f"error: failed: {fault} (the rest measured" in out["stderr"]
+    res = out["sections"]
+    assert out["versions"]["torch"]["from"] == "machine" and out["versions"]["open_clip_torch"]["version"]
+    assert set(out["seconds"]) == set(ESTIMATE_S) and all(v is not None for v in out["seconds"].values())
+    step = res["step"]["fixed_batch"]
     assert set(step["samples_per_s"]) == {"open_clip_train", "ours"} and len(step["blocks"]) == 2
     # ours trims the text padding the open_clip step runs: fewer FLOPs on the same batch
     assert 0 < step["flops_per_step"]["ours"] < step["flops_per_step"]["open_clip_train"]
     assert step["text_length_used"] <= step["tokens_ours"] < step["tokens_open_clip"] == 32
-    e2e = step["end_to_end"]  # whole steps from photo shards made by the script: both decode paths, and open_clip's
-    assert set(e2e["samples_per_s"]) == {"ours_decode_worker", "ours_decode_device", "open_clip_train"}
-    assert all(v > 0 for v in e2e["samples_per_s"].values()) and e2e["images"] >= 64
+    assert step["syncs_per_step"] == {"open_clip_train": None, "ours": None}  # a CPU has nothing to sync with
+    e2e = res["step"]["end_to_end"]
+    assert e2e["ours_decode_device"]["error"] == f"RuntimeError: fault injected at {fault} (--fault)"
+    assert e2e["ours_decode_device"]["traceback"]
+    for side in ("ours_decode_worker", "open_clip_train"):  # the other sides measured all the same
+        s = e2e[side]
+        assert s["samples_per_s"] > 0 and s["timed_steps"] == 2 and s["warmup_steps"] == 3 and s["seconds"] > 0
+        assert s["step_ms"]["p10"] <= s["step_ms"]["median"] <= s["step_ms"]["p90"] and 0 <= s["data_wait_share"] < 1
+        assert s["flops_per_step"] > 0
+    assert e2e["ours_decode_worker"]["epochs"] == [0]  # warm-up, timed and counted steps in one epoch
+    oc = e2e["open_clip_train"]
+    assert oc["batches_used"] <= oc["epoch_batches"]
+    # each side's own FLOPs: open_clip runs the full-length text
+    assert e2e["open_clip_train"]["flops_per_step"] > e2e["ours_decode_worker"]["flops_per_step"]
+    assert set(e2e["summary"]["samples_per_s"]) == {"ours_decode_worker", "open_clip_train"}
+    assert e2e["photos"]["images"] >= (3 + 1 + 2 + 5) * 16
     mem = res["loss_memory"]
     assert mem["loss_rel_diff"] < 1e-5 and mem["ours_tiled"]["grad_norm"] == pytest.approx(mem["open_clip"]["grad_norm"], rel=1e-5)
     assert len(res["precision"]["cases"]) == 16 and res["precision"]["max_grad_rel"] < 0.03
+    assert res["precision"]["tf32"] == {"matmul": False, "cudnn": False}  # against true fp32
     for row in res["kmeans"]["scales"].values():  # same warm start, same Lloyd: the same optimum
         assert row["torch"]["warm_inertia"] == pytest.approx(row["sklearn"]["warm_inertia"], rel=1e-3)
         assert row["torch_repeatable"]
     fsdp = res["engines"]["fsdp"]
     assert fsdp["ok"] and fsdp["resume"]["resumed"] and sorted(map(int, fsdp["losses"])) == list(range(1, 9))
+    assert fsdp["resume"]["logged_steps"] == list(range(1, 9)) and {6, 8} <= set(fsdp["resume"]["checkpoints"])
     assert "open_clip_model.safetensors" in fsdp["export_files"] and fsdp["acc1"] is not None
+    assert "2 gloo ranks" in fsdp["sharding"]
 
 
 @pytest.mark.integration  # starts processes (or builds real data): not in make test-unit
@@ -71,7 +99,7 @@ def test_bench_gpu_refuses_a_missing_bundle_and_a_machine_without_cuda(tmp_path)
 @pytest.mark.skipif(not (DEEPSPEED / "deepspeed").is_dir(), reason="make deepspeed installs it (make test-slow)")
 def test_gpu_bench_engine_smoke_ddp_and_deepspeed_on_cpu(openmoji, tmp_path):
     res = bench(tmp_path, openmoji, "--", "--sections", "engines", "--engines", "ddp", "deepspeed",
-                env={"PYTHONPATH": f"{DEEPSPEED}:{os.environ.get('PYTHONPATH', '')}", "DS_ACCELERATOR": "cpu"})
+                env={"PYTHONPATH": f"{DEEPSPEED}:{os.environ.get('PYTHONPATH', '')}", "DS_ACCELERATOR": "cpu"})["sections"]
     for engine in ("ddp", "deepspeed"):
         assert res["engines"][engine]["ok"], res["engines"][engine]
 
@@ -133,3 +161,69 @@ def test_the_crop_stage_section_runs_on_the_cpu():
     assert res["nvjpeg_backend"] == "n/a" and res["device_decode_failures"] == 0, res
     assert res["batched"]["diff_mean"] < 0.25 and res["batched"]["diff_max"] <= 8, res
     assert res["per_image"]["diff_mean"] < 0.5 and res["per_image"]["diff_max"] <= 16, res
+
+
+def test_the_recorder_keeps_every_measurement_and_writes_each_at_once(tmp_path):
+    """A failing measurement is its own result (error + the traceback's last frames); the ones before and
+    after it stand, and gpu.json holds each as soon as it exists; --fault makes a named one fail."""
+    from conftest import script
+
+    gb = script("scripts/bench/gpu_bench.py")
+    path = tmp_path / "gpu.json"
+    rec = gb.Recorder({"sections": {}}, path, fault="step.end_to_end.c")
+    rec.run("step", "fixed_batch", lambda: {"samples_per_s": 1.0})
+    assert json.loads(path.read_text())["sections"]["step"]["fixed_batch"]["samples_per_s"] == 1.0
+    rec.run("step", "end_to_end.a", lambda: 1 / 0)
+    rec.run("step", "end_to_end.b", lambda: {"ok": True})
+    rec.run("step", "end_to_end.c", lambda: {"ok": True})
+    got = json.loads(path.read_text())["sections"]["step"]
+    assert got["end_to_end"]["a"]["error"] == "ZeroDivisionError: division by zero"
+    assert "in <lambda>" in got["end_to_end"]["a"]["traceback"][-1]
+    assert got["end_to_end"]["b"]["ok"] and got["fixed_batch"]["samples_per_s"] == 1.0
+    assert got["end_to_end"]["c"]["error"].startswith("RuntimeError: fault injected at step.end_to_end.c")
+    assert rec.failed == ["step.end_to_end.a", "step.end_to_end.c"]
+
+
+@pytest.mark.parametrize("batch,workers,steps", [(256, 8, 100), (16, 1, 2), (64, 3, 7)])
+def test_end_to_end_windows_stay_in_one_epoch(batch, workers, steps):
+    """The photos hold warm-up (two full prefetch rounds of every worker) + timed + sync-count steps in
+    whole batches per worker: no side's window reaches an epoch boundary."""
+    from conftest import script
+
+    script("scripts/bench/gpu_bench.py")  # gpu_end_to_end imports it
+    e2e = script("scripts/bench/gpu_end_to_end.py")
+    n = e2e.images_needed(batch, workers, steps)
+    used = e2e.warmup_steps(workers) + steps + e2e.SYNC_STEPS  # the first warm-up step counts the FLOPs
+    assert e2e.warmup_steps(workers) >= 2 * workers * e2e.PREFETCH
+    assert n // batch >= used and n % (batch * workers) == 0
+    assert e2e.images_needed(batch, workers, steps, at_least=100 * n) >= 100 * n
+
+
+def test_resume_is_read_from_the_log_and_the_checkpoints(tmp_path):
+    from conftest import script
+
+    gb = script("scripts/bench/gpu_bench.py")
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for step in (3, 6, 8):
+        (run / f"checkpoints/step_{step:08d}").mkdir()
+        (run / f"checkpoints/step_{step:08d}/train_state.json").write_text("{}")
+    lines = [{"step": s, "loss": 1.0} for s in range(1, 9)] + [{"step": 8, "final": True}]
+    (run / "log.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert gb.resumed_from_files(run, 6, 8)["resumed"]
+    restarted = [{"step": s, "loss": 1.0} for s in [*range(1, 7), *range(1, 9)]]  # began again at step 1
+    (run / "log.jsonl").write_text("".join(json.dumps(x) + "\n" for x in restarted))
+    assert not gb.resumed_from_files(run, 6, 8)["resumed"]
+
+
+def test_each_side_gets_its_own_mfu():
+    from conftest import script
+
+    script("scripts/bench/gpu_bench.py")
+    e2e = script("scripts/bench/gpu_end_to_end.py")
+    sides = {"ours_decode_worker": {"samples_per_s": 100.0, "flops_per_step": 2e12},
+             "ours_decode_device": {"error": "RuntimeError: x"},
+             "open_clip_train": {"samples_per_s": 50.0, "flops_per_step": 3e12}}
+    out = e2e.summary(sides, 10, 1.0)
+    assert out["mfu"] == {"ours_decode_worker": 20.0, "open_clip_train": 15.0}
+    assert out["ours_decode_worker_over_open_clip"] == 2.0 and "device_over_worker" not in out

@@ -116,6 +116,7 @@ def count_flops(fn) -> int:
 def step_section(args, device, data: Path) -> dict:
     import open_clip
     import torch
+    from gpu_end_to_end import syncs_per_step
     from open_clip.loss import ClipLoss as OpenClipLoss
 
     from mmpretrain.config import load_config
@@ -193,7 +194,8 @@ def step_section(args, device, data: Path) -> dict:
                "ms_per_step": {k: round(v * 1000, 2) for k, v in med.items()},
                "speedup": round(med["open_clip_train"] / med["ours"], 4),
                "blocks": [round(b["open_clip_train"] / b["ours"], 4) for b in blocks],
-               "peak_tflops": peak, "peak_source": peak_source, "max_memory_allocated": mem}
+               "peak_tflops": peak, "peak_source": peak_source, "max_memory_allocated": mem,
+               "syncs_per_step": {k: syncs_per_step(lambda _b, f=f: f(), lambda: None, device) for k, f in fns.items()}}
         if peak:
             res["mfu"] = {k: round(flops[k] / med[k] / (peak * 1e12), 4) for k in fns}
     return res
@@ -500,18 +502,34 @@ def engine_smoke(engine: str, args, data: Path, work: Path) -> dict:
         if rc != 0:
             res[stage]["output_tail"] = tail
             break
-        if stage == "resume":
-            res[stage]["resumed"] = "resumed from" in tail
+        if stage == "resume":  # from what the run wrote, not what it printed (warnings can bury a line)
+            res[stage].update(resumed_from_files(run_dir, first=6, last=8))
     log = run_dir / "log.jsonl"
     if log.is_file():
         recs = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
         res["losses"] = {r["step"]: round(r["loss"], 5) for r in recs if "loss" in r}
+    if engine != "ddp":
+        res["sharding"] = ("one process: FSDP runs NO_SHARD and ZeRO-2 partitions nothing here; sharded training, "
+                           "checkpoints and resume are proven on 2 gloo ranks by tests/test_engines.py")
     if (run_dir / "results.json").is_file():
         res["acc1"] = next((v for k, v in _flat(json.loads((run_dir / "results.json").read_text())) if k.endswith("acc1")),
                            None)
     res["export_files"] = sorted(p.name for p in (run_dir / "export").iterdir()) if (run_dir / "export").is_dir() else []
     res["ok"] = all(res.get(s, {}).get("rc") == 0 for s, _ in stages) and res["resume"].get("resumed", False)
     return res
+
+
+def resumed_from_files(run_dir: Path, first: int, last: int) -> dict:
+    """Whether the second launch continued the first from its step-``first`` checkpoint to ``last``:
+    log.jsonl holds each step 1..last once (a restart would repeat 1..first) and the checkpoint of
+    ``last`` is complete beside ``first``'s."""
+    log = run_dir / "log.jsonl"
+    recs = [json.loads(x) for x in log.read_text().splitlines() if x.strip()] if log.is_file() else []
+    steps = [r["step"] for r in recs if "loss" in r]
+    done = sorted(int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*")
+                  if (p / "train_state.json").is_file())
+    ok = sorted(set(steps)) == list(range(1, last + 1)) and len(steps) == len(set(steps)) and {first, last} <= set(done)
+    return {"resumed": ok, "logged_steps": steps, "checkpoints": done}
 
 
 def _flat(tree, prefix=""):
@@ -525,25 +543,116 @@ def _flat(tree, prefix=""):
         yield prefix.rstrip("/"), tree
 
 
-def engines_section(args, data: Path) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        res = {}
-        for engine in args.engines:
-            res[engine] = engine_smoke(engine, args, data, Path(tmp))
-            print(f"engine {engine}: {'ok' if res[engine]['ok'] else 'FAILED'} "
-                  + ", ".join(f"{s} {res[engine][s]['seconds']} s" for s in ("train", "resume", "eval", "export")
-                              if s in res[engine]), flush=True)
-    return res
-
-
 # ------------------------------------------------------------------------------------------------- main
 
 SECTIONS = ("step", "jpeg_faults", "crop_stage", "loss_memory", "precision", "engines", "kmeans")  # by value: what only a GPU shows first
 # seconds each section is expected to take on one H200 at the defaults (the run's own budget check;
-# gpu.json records what each took, to correct these)
-ESTIMATE_S = {"step": 100, "jpeg_faults": 5, "crop_stage": 15, "loss_memory": 10, "precision": 15, "engines": 90, "kmeans": 25}
+# gpu.json records what each took, to correct these): 230 s in all, under the 240 s budget
+ESTIMATE_S = {"step": 110, "jpeg_faults": 5, "crop_stage": 15, "loss_memory": 10, "precision": 15, "engines": 60,
+              "kmeans": 15}
+# TF32 per section: the step and the data path as users train (the trainer turns it on on a GPU, as
+# open_clip_train does); the comparisons against fp32 in true fp32
+TF32 = {"step": True, "jpeg_faults": True, "crop_stage": True, "loss_memory": False, "precision": False,
+        "engines": None, "kmeans": False}  # engines: each launch's trainer sets its own
 VERSIONED = ("torch", "torchvision", "transformers", "accelerate", "open_clip_torch", "webdataset", "pydantic",
              "deepspeed", "timm", "scikit-learn", "scikit-image", "typing_extensions", "numpy")
+
+
+class Recorder:
+    """gpu.json as it grows: each measurement runs on its own, and its result -- or its error with the
+    traceback's last frames -- is written the moment it exists, so one failure takes nothing else with
+    it and a run cut short keeps what it measured. ``fault``: a measurement (``section.name``) that
+    raises at its start instead of running (the rehearsal's injected failure)."""
+
+    def __init__(self, result: dict, path: Path, fault: str | None = None):
+        self.result, self.path, self.fault, self.failed = result, path, fault, []
+
+    def put(self, section: str, name: str | None, value: dict) -> dict:
+        node = self.result["sections"].setdefault(section, {})
+        if name is None:
+            node.update(value)
+        else:
+            *parents, leaf = name.split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+        save(self.result, self.path)
+        return value
+
+    def run(self, section: str, name: str | None, fn, *a, **kw) -> dict:
+        key = f"{section}.{name}" if name else section
+        t0 = time.perf_counter()
+        try:
+            if key == self.fault:
+                raise RuntimeError(f"fault injected at {key} (--fault)")
+            out = fn(*a, **kw)
+            out = out if isinstance(out, dict) else {"value": out}
+        except Exception as e:  # the error is the result; the other measurements go on
+            import traceback
+
+            traceback.print_exc()
+            frames = traceback.extract_tb(e.__traceback__)[-4:]
+            out = {"error": f"{type(e).__name__}: {e}"[:2000],
+                   "traceback": [f"{Path(f.filename).name}:{f.lineno} in {f.name}: {f.line}" for f in frames]}
+            self.failed.append(key)
+        out["seconds"] = round(time.perf_counter() - t0, 1)
+        print(f"{key}: {'FAILED, ' if 'error' in out else ''}{out['seconds']} s -> {self.path}", flush=True)
+        return self.put(section, name, out)
+
+
+def end_to_end_measurements(rec: Recorder, args, device, peak: float | None) -> None:
+    """The step section's end-to-end part: the photos, then each side as its own measurement."""
+    from gpu_end_to_end import images_needed, open_clip_side, ours_side, photo_shards, summary
+
+    B, W = args.batch_size, args.e2e_workers or max(1, min(8, (os.cpu_count() or 2) - 2))
+    n = images_needed(B, W, args.e2e_steps, args.e2e_images)
+    with tempfile.TemporaryDirectory() as tmp:
+        photos = Path(tmp) / "photos"
+
+        def make() -> dict:
+            photo_shards(photos, n, B)
+            return {"images": n, "workers": W, "batch_size": B, "image_size": 224, "model": args.model}
+
+        if "error" in rec.run("step", "end_to_end.photos", make):
+            return
+        sides = {}
+        for decode in ("worker", "device"):
+            sides[f"ours_decode_{decode}"] = rec.run("step", f"end_to_end.ours_decode_{decode}", ours_side, args,
+                                                     device, photos, decode, W, Path(tmp))
+        sides["open_clip_train"] = rec.run("step", "end_to_end.open_clip_train", open_clip_side, args, device,
+                                           photos, W)
+        rec.put("step", "end_to_end.summary", summary(sides, B, peak))
+
+
+def run_section(rec: Recorder, section: str, args, device, data: Path) -> None:
+    from mmpretrain.train.engine import tf32, tf32_state
+
+    want = TF32[section] and device.type == "cuda" if TF32[section] is not None else None
+    with tf32(want) if want is not None else _nothing():
+        rec.put(section, None, {"tf32": tf32_state() if want is not None else "each launch's trainer"})
+        if section == "step":
+            fixed = rec.run("step", "fixed_batch", step_section, args, device, data)
+            if args.e2e_steps:  # after the fixed-batch models are freed
+                end_to_end_measurements(rec, args, device, fixed.get("peak_tflops") or
+                                        peak_tflops(device, args.peak_tflops)[0])
+        elif section == "engines":
+            with tempfile.TemporaryDirectory() as work:
+                for engine in args.engines:
+                    res = rec.run("engines", engine, engine_smoke, engine, args, data, Path(work))
+                    if "error" not in res and not res["ok"]:
+                        rec.failed.append(f"engines.{engine}")
+        else:
+            fn = {"jpeg_faults": jpeg_faults_section, "crop_stage": crop_stage_section,
+                  "loss_memory": loss_memory_section, "precision": precision_section, "kmeans": kmeans_section}
+            rec.run(section, None, fn[section], args, device)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
 
 
 def versions() -> dict:
@@ -580,8 +689,10 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--steps", type=int, default=20, help="steps per timed block")
     p.add_argument("--repeats", type=int, default=3, help="timed blocks per side")
-    p.add_argument("--e2e-steps", type=int, default=20, help="timed end-to-end steps per side (0: none)")
-    p.add_argument("--e2e-images", type=int, default=4096, help="photo JPEGs made for the end-to-end steps")
+    p.add_argument("--e2e-steps", type=int, default=100, help="timed end-to-end steps per side (0: none)")
+    p.add_argument("--e2e-images", type=int, default=0,
+                   help="photo JPEGs made for the end-to-end steps, at least (default: what one epoch of warm-up + "
+                        "timed steps needs)")
     p.add_argument("--e2e-workers", type=int, default=0, help="loader workers (0: cores - 2, at most 8)")
     p.add_argument("--budget", type=float, default=240.0,
                    help="seconds: a section whose estimate would end past it is skipped (and says so)")
@@ -595,6 +706,9 @@ def main() -> int:
     p.add_argument("--engines", nargs="+", choices=list(ENGINES), default=list(ENGINES))
     p.add_argument("--engine-wrapper", default=None, help="script the FSDP/DeepSpeed launches run through")
     p.add_argument("--stage-timeout", type=int, default=300)
+    p.add_argument("--fault", default=None, metavar="SECTION[.MEASUREMENT]",
+                   help="raise at the start of this measurement (the rehearsal's injected failure), e.g. "
+                        "step.end_to_end.ours_decode_device")
     args = p.parse_args()
     data = Path(args.data)
     missing = [s for s in ("train", "test") if not (data / s).is_dir()]
@@ -624,50 +738,22 @@ def main() -> int:
           f"(budget {args.budget:.0f} s)", flush=True)
     path = out / "gpu.json"
     save(result, path)  # the versions, before any section can fail
-    failed = []
+    rec = Recorder(result, path, args.fault)
     start = time.perf_counter()
-    order = sorted(args.sections, key=SECTIONS.index)
-    for section in order:
+    for section in sorted(args.sections, key=SECTIONS.index):
         t0 = time.perf_counter()
         if device.type == "cuda" and t0 - start + ESTIMATE_S[section] > args.budget:
-            result["sections"][section] = {"skipped": f"estimated {ESTIMATE_S[section]} s would end past the "
-                                                      f"{args.budget:.0f} s budget at {t0 - start:.0f} s"}
+            rec.put(section, None, {"skipped": f"estimated {ESTIMATE_S[section]} s would end past the "
+                                               f"{args.budget:.0f} s budget at {t0 - start:.0f} s"})
             print(f"{section}: skipped ({result['sections'][section]['skipped']})", flush=True)
-            save(result, path)
             continue
-        try:
-            if section == "step":
-                res = step_section(args, device, data)
-                if args.e2e_steps:  # after the fixed-batch models are freed
-                    from gpu_end_to_end import end_to_end
-
-                    res["end_to_end"] = end_to_end(args, device, res["flops_per_step"]["ours"], res["peak_tflops"])
-            elif section == "jpeg_faults":
-                res = jpeg_faults_section(args, device)
-            elif section == "crop_stage":
-                res = crop_stage_section(args, device)
-            elif section == "loss_memory":
-                res = loss_memory_section(args, device)
-            elif section == "precision":
-                res = precision_section(args, device)
-            elif section == "kmeans":
-                res = kmeans_section(args, device)
-            else:
-                res = engines_section(args, data)
-                if not all(r["ok"] for r in res.values()):
-                    failed.append(section)
-        except Exception as e:  # keep the other sections' results; the error is the result
-            import traceback
-
-            traceback.print_exc()
-            res = {"error": f"{type(e).__name__}: {e}"[:2000]}
-            failed.append(section)
-        res["seconds"] = round(time.perf_counter() - t0, 1)
-        result["sections"][section] = res
-        save(result, path)
-        print(f"{section}: {res['seconds']} s -> {path}", flush=True)
-    if failed:
-        print(f"error: section(s) {', '.join(failed)} failed (see {path})", file=sys.stderr)
+        run_section(rec, section, args, device, data)
+        rec.put(section, None, {"seconds": round(time.perf_counter() - t0, 1)})
+        print(f"{section}: {result['sections'][section]['seconds']} s -> {path}", flush=True)
+    result["seconds"] = {k: v.get("seconds") for k, v in result["sections"].items()}
+    save(result, path)
+    if rec.failed:
+        print(f"error: failed: {', '.join(rec.failed)} (the rest measured; see {path})", file=sys.stderr)
         return 1
     return 0
 

@@ -1,17 +1,42 @@
 """The step section's end-to-end part of the GPU check (scripts/bench/gpu_bench.py): whole training
 steps from photo shards made on the machine, ours with ``data.decode=worker`` and ``=device`` against
-open_clip_train's loader and step."""
+open_clip_train's loader and step, each side its own measurement (one failing leaves the others).
+
+Every side runs inside one epoch of its loader: warm-up (at least two full prefetch rounds, so the
+workers' first fill is not timed), the timed steps and the few steps that count host syncs all come
+out of epoch 0 (:func:`images_needed`); an epoch boundary, where open_clip's loader refills, is never
+timed. Per-step times come from CUDA events recorded between steps (read after the window: no host
+sync per step), the data-wait share from the host time spent fetching the next batch."""
 
 from __future__ import annotations
 
+import gc
 import math
 import multiprocessing as mp
 import os
-import tempfile
+import statistics
+import threading
 import time
+import warnings
 from pathlib import Path
 
-from gpu_bench import ROOT, timed
+from gpu_bench import ROOT, count_flops, sync
+
+SYNC_STEPS = 5  # steps run under torch.cuda.set_sync_debug_mode after the timed window
+PREFETCH = 2  # data.prefetch_factor's default, and open_clip_train's loader's
+
+
+def warmup_steps(workers: int) -> int:
+    """Two full prefetch rounds of every worker: the loader's start-up fill is spent before timing."""
+    return 2 * max(1, workers) * PREFETCH
+
+
+def images_needed(batch: int, workers: int, steps: int, at_least: int = 0) -> int:
+    """Photos for one epoch that holds warm-up + timed + sync-count steps on every side, in whole
+    batches per worker (open_clip's loader splits shards of one batch each between its workers)."""
+    batches = warmup_steps(workers) + steps + SYNC_STEPS + 1
+    batches = max(batches, -(-at_least // batch))
+    return -(-batches // workers) * workers * batch
 
 
 def photo_shards(folder: Path, n: int, per_shard: int) -> Path:
@@ -31,8 +56,6 @@ def photo_shards(folder: Path, n: int, per_shard: int) -> Path:
 
 def reset_accelerate() -> None:
     """A second ``setup`` in this process: accelerate's state is a per-process singleton."""
-    import gc
-
     import torch
     from accelerate.state import AcceleratorState, GradientState
 
@@ -43,84 +66,173 @@ def reset_accelerate() -> None:
         torch.cuda.empty_cache()
 
 
-def end_to_end(args, device, flops: int | None, peak: float | None) -> dict:
-    """Whole training steps from photo shards at 224 px (read, decode, crop, hand-over, step): ours as
-    ``fit`` runs them with ``data.decode=worker`` and ``data.decode=device``, and open_clip_train's
-    ``get_wds_dataset`` + its step (float batches normalised in the workers). Samples/s over
-    --e2e-steps after 3 warm-up steps; MFU from the fixed-batch step's FLOPs."""
+class StepClock:
+    """Step boundaries: CUDA events recorded on the current stream (read after the window, so timing
+    adds no host sync), or the wall clock on a CPU (where every operator is synchronous)."""
+
+    def __init__(self, device):
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+        self._event = (lambda: torch.cuda.Event(enable_timing=True)) if self.cuda else None
+
+    def mark(self) -> None:
+        if self.cuda:
+            ev = self._event()
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals_ms(self) -> list[float]:
+        pairs = zip(self.marks, self.marks[1:])
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) for a, b in pairs]
+        return [(b - a) * 1e3 for a, b in pairs]
+
+
+def spread(ms: list[float]) -> dict:
+    q = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) >= 2 else ms * 9
+    return {"median": round(statistics.median(ms), 3), "p10": round(q[0], 3), "p90": round(q[-1], 3),
+            "min": round(min(ms), 3), "max": round(max(ms), 3)}
+
+
+def timed_window(step, fetch, batch: int, warmup: int, steps: int, device) -> dict:
+    """``warmup`` untimed steps, then ``steps`` timed ones: samples/s over the window's wall time, the
+    per-step times (median and spread) and the share of the window the host spent waiting for data."""
+    for _ in range(warmup):
+        step(fetch())
+    sync(device)
+    clock, wait = StepClock(device), 0.0
+    t0 = time.perf_counter()
+    clock.mark()
+    for _ in range(steps):
+        a = time.perf_counter()
+        b = fetch()
+        wait += time.perf_counter() - a
+        step(b)
+        clock.mark()
+    sync(device)
+    wall = time.perf_counter() - t0
+    return {"warmup_steps": warmup, "timed_steps": steps, "wall_s": round(wall, 3),
+            "samples_per_s": round(batch * steps / wall, 1), "step_ms": spread(clock.intervals_ms()),
+            "data_wait_share": round(wait / wall, 4)}
+
+
+def syncs_per_step(step, fetch, device, n: int = SYNC_STEPS) -> float | None:
+    """Host syncs the training thread makes per step (torch.cuda.set_sync_debug_mode("warn") while the
+    step runs; the decoding thread's own syncs are not counted). None on a CPU: nothing to sync with."""
+    if device.type != "cuda":
+        for _ in range(n):  # the same batches are consumed, so the epoch arithmetic holds on any device
+            step(fetch())
+        return None
+    import torch
+
+    main, count = threading.get_ident(), [0]
+
+    def show(message, category, *args, **kwargs):
+        if threading.get_ident() == main and "synchroniz" in str(message):
+            count[0] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        for _ in range(n):
+            b = fetch()
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step(b)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    return count[0] / n
+
+
+def ours_side(args, device, photos: Path, decode: str, workers: int, tmp: Path) -> dict:
+    """Our ``fit`` loop body with ``data.decode=decode``: its loader, image input and ``train_step``."""
+    from mmpretrain.config import load_config
+    from mmpretrain.data.device_decode import Prefetcher, nvjpeg_backend
+    from mmpretrain.train import setup, train_step
+
+    B = args.batch_size
+    reset_accelerate()
+    cfg = load_config(ROOT / "configs/tiny/clip.yaml", [
+        f"data.train={photos}", f"model.arch={args.model}", f"data.batch_size={B}", "train.epochs=null",
+        "train.steps=1000000", "train.progress=false", "train.log_with=[]", f"data.num_workers={workers}",
+        f"train.precision={args.precision}", f"run_dir={tmp}/{decode}", "optim.warmup_steps=1",
+        f"data.decode={decode}", f"data.prefetch_factor={PREFETCH}"])
+    run = setup(cfg)
+    it = run.images.batches(run.loader)
+    epochs: set[int] = set()
+    try:
+        def step(batch):
+            epochs.add(int(batch["epoch"]))
+            run.state.skipped.update(batch["skipped"])
+            run.state.samples += len(batch["keys"])
+            train_step(run, batch)
+            run.state.step += 1
+
+        def fetch():
+            return next(it)
+
+        warm = warmup_steps(workers)
+        flops = count_flops(lambda: step(fetch()))  # the first warm-up step, counted
+        res = timed_window(step, fetch, B, warm - 1, args.e2e_steps, device)
+        res["flops_per_step"] = flops
+        res["syncs_per_step"] = syncs_per_step(step, fetch, device)
+        res["epochs"] = sorted(epochs)
+        if decode == "device":  # a "device" figure is the device's only if the device decoded the images
+            counts = run.state.skipped
+            done, fallback = counts.get("device_decoded", 0), counts.get("device_decode_fallback", 0)
+            res["device_path"] = {"nvjpeg_backend": nvjpeg_backend(run.accelerator.device), "device_decoded": done,
+                                  "device_decode_fallback": fallback,
+                                  "undecodable_image": counts.get("undecodable_image", 0), "samples": run.state.samples}
+            share = fallback / max(1, done + fallback)
+            res["device_path"]["fallback_share"] = round(share, 4)
+            if share > 0.1:
+                res["label"] = (f"{share:.0%} of the device-taken JPEGs were decoded on the host: not the device "
+                                "decoder's rate")
+    finally:
+        if isinstance(it, Prefetcher):
+            it.close()
+        it = run = None  # the loader's workers and the model go before the next side's
+        reset_accelerate()
+    return res
+
+
+def open_clip_side(args, device, photos: Path, workers: int) -> dict:
+    """open_clip_train's ``get_wds_dataset`` (float batches normalised in the workers) and its step:
+    ``ClipLoss``, torch's AdamW, full-length tokens, the logit-scale clamp. One epoch of its loader."""
     from argparse import Namespace
 
     import open_clip
     import torch
     from open_clip.loss import ClipLoss as OpenClipLoss
+    from open_clip_train.data import get_wds_dataset  # it imports pandas, which the machine may lack
 
-    from mmpretrain.config import load_config
-    from mmpretrain.data.device_decode import Prefetcher, nvjpeg_backend
-    from mmpretrain.train import setup, train_step
+    B = args.batch_size
+    reset_accelerate()
+    torch.manual_seed(0)
+    model, preprocess, _ = open_clip.create_model_and_transforms(args.model, device=device, output_dict=True)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.1)
+    loss_fn = OpenClipLoss()
+    shards = len(list(photos.glob("*.tar")))
+    a = Namespace(train_data=str(photos / f"photo-{{000000..{shards - 1:06d}}}.tar"), train_num_samples=None,
+                  dataset_resampled=False, train_data_upsampling_factors=None, seed=0, batch_size=B, world_size=1,
+                  workers=workers)
+    info = get_wds_dataset(a, preprocess, is_train=True, epoch=0, tokenizer=open_clip.get_tokenizer(args.model))
+    info.set_epoch(0)
+    feed = iter(info.dataloader)  # one epoch: running out of it is an error, never a refill inside the window
+    used = [0]
+    try:
+        def fetch():
+            used[0] += 1
+            return next(feed)
 
-    B, W = args.batch_size, args.e2e_workers or max(1, min(8, (os.cpu_count() or 2) - 2))
-    n = max(args.e2e_images, 2 * W * B)  # open_clip's workers each need whole batches of their shards
-    t0 = time.perf_counter()
-    res: dict = {"model": args.model, "batch_size": B, "workers": W, "images": n, "image_size": 224}
-    with tempfile.TemporaryDirectory() as tmp:
-        photos = photo_shards(Path(tmp) / "photos", n, B)
-        res["make_photos_s"] = round(time.perf_counter() - t0, 1)
-        rates = {}
-        for decode in ("worker", "device"):
-            reset_accelerate()
-            cfg = load_config(ROOT / "configs/tiny/clip.yaml", [
-                f"data.train={photos}", f"model.arch={args.model}", f"data.batch_size={B}", "train.epochs=null",
-                "train.steps=1000000", "train.progress=false", "train.log_with=[]", f"data.num_workers={W}",
-                f"train.precision={args.precision}", f"run_dir={tmp}/{decode}", "optim.warmup_steps=1",
-                f"data.decode={decode}"])
-            run = setup(cfg)
-            it = run.images.batches(run.loader)
-
-            def ours(run=run, it=it):
-                batch = next(it)
-                run.state.skipped.update(batch["skipped"])
-                run.state.samples += len(batch["keys"])
-                train_step(run, batch)
-                run.state.step += 1
-
-            for _ in range(3):
-                ours()
-            rates[f"ours_decode_{decode}"] = B / timed(ours, args.e2e_steps, device)
-            print(f"end to end, ours, data.decode={decode}: {rates[f'ours_decode_{decode}']:.0f} samples/s", flush=True)
-            if decode == "device":  # a "device" figure is the device's only if the device decoded the images
-                counts = run.state.skipped
-                res["device_path"] = {"nvjpeg_backend": nvjpeg_backend(run.accelerator.device),
-                                      "device_decoded": counts.get("device_decoded", 0),
-                                      "device_decode_fallback": counts.get("device_decode_fallback", 0),
-                                      "samples": run.state.samples}
-            if isinstance(it, Prefetcher):
-                it.close()
-            it = run = None  # the loader's workers and the model go before the next side's
-        reset_accelerate()
-        try:
-            from open_clip_train.data import get_wds_dataset  # it imports pandas, which the machine may lack
-        except ImportError as e:
-            res["open_clip_train"] = {"error": f"{type(e).__name__}: {e}"}
-            return _finish(res, rates, flops, peak, B)
-        torch.manual_seed(0)
-        model, preprocess, _ = open_clip.create_model_and_transforms(args.model, device=device, output_dict=True)
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.1)
-        loss_fn = OpenClipLoss()
-        a = Namespace(train_data=str(photos / f"photo-{{000000..{len(list(photos.glob('*.tar'))) - 1:06d}}}.tar"),
-                      train_num_samples=None, dataset_resampled=False, train_data_upsampling_factors=None, seed=0,
-                      batch_size=B, world_size=1, workers=W)
-        info = get_wds_dataset(a, preprocess, is_train=True, epoch=0, tokenizer=open_clip.get_tokenizer(args.model))
-
-        def batches():
-            for epoch in range(10**6):
-                info.set_epoch(epoch)
-                yield from info.dataloader
-
-        feed = batches()
-
-        def theirs():
-            images, texts = next(feed)
+        def step(batch):
+            images, texts = batch
             images, texts = images.to(device, non_blocking=True), texts.to(device, non_blocking=True)
             opt.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
@@ -131,18 +243,27 @@ def end_to_end(args, device, flops: int | None, peak: float | None) -> dict:
             with torch.no_grad():
                 model.logit_scale.clamp_(0, math.log(100))
 
-        for _ in range(3):
-            theirs()
-        rates["open_clip_train"] = B / timed(theirs, args.e2e_steps, device)
-        print(f"end to end, open_clip_train: {rates['open_clip_train']:.0f} samples/s", flush=True)
-    return _finish(res, rates, flops, peak, B)
-
-
-def _finish(res: dict, rates: dict, flops: int | None, peak: float | None, B: int) -> dict:
-    res["samples_per_s"] = {k: round(v, 1) for k, v in rates.items()}
-    res["device_over_worker"] = round(rates["ours_decode_device"] / rates["ours_decode_worker"], 4)
-    if "open_clip_train" in rates:
-        res["ours_device_over_open_clip"] = round(rates["ours_decode_device"] / rates["open_clip_train"], 4)
-    if flops and peak:
-        res["mfu"] = {k: round(flops * v / B / (peak * 1e12), 4) for k, v in rates.items()}
+        warm = warmup_steps(workers)
+        flops = count_flops(lambda: step(fetch()))
+        res = timed_window(step, fetch, B, warm - 1, args.e2e_steps, device)
+        res["flops_per_step"] = flops
+        res["syncs_per_step"] = syncs_per_step(step, fetch, device)
+        res["epoch_batches"], res["batches_used"] = info.dataloader.num_batches, used[0]
+    finally:
+        feed = info = model = opt = None
+        reset_accelerate()
     return res
+
+
+def summary(sides: dict, batch: int, peak: float | None) -> dict:
+    """Ratios between the sides that finished, and each one's MFU from its own FLOPs."""
+    rate = {k: v["samples_per_s"] for k, v in sides.items() if isinstance(v, dict) and "samples_per_s" in v}
+    out: dict = {"samples_per_s": rate}
+    if "ours_decode_device" in rate and "ours_decode_worker" in rate:
+        out["device_over_worker"] = round(rate["ours_decode_device"] / rate["ours_decode_worker"], 4)
+    for ours in ("ours_decode_worker", "ours_decode_device"):
+        if ours in rate and "open_clip_train" in rate:
+            out[f"{ours}_over_open_clip"] = round(rate[ours] / rate["open_clip_train"], 4)
+    if peak:
+        out["mfu"] = {k: round(sides[k]["flops_per_step"] * r / batch / (peak * 1e12), 4) for k, r in rate.items()}
+    return out
