@@ -70,10 +70,11 @@ from mmpretrain.losses.region_math import hedge_update, masked_clip_regions, one
 from mmpretrain.losses.registry import OBJECTIVES
 
 # The masked pass costs O(S * N^2) elementwise work in a few kernels, the per-region calls
-# O(N^2 * sum_s 1/m_s) in ~sum_s m_s small calls. On a GPU the few kernels win at any batch; on this
-# 2-core CPU (scales [5, 10, 20], D 512, forward + backward) the masked pass is 3.5x faster at N = 128
-# and 2.3x slower at N = 1024, so on CPU it is used up to this gathered batch size.
-MASKED_CPU_MAX = 512
+# O(N^2 * sum_s 1/m_s) in ~sum_s m_s small calls. On a GPU the few kernels win at any batch; on the
+# 2-core AMD EPYC (scales [5, 10, 20], D 512, forward + backward, the row-tiled pass) the masked pass
+# took 6.8 ms against 9.9 ms at N = 128, 13.2 against 12.6 at 256, 44 against 24 at 512 and 166
+# against 53 at 1,024, so on a CPU it is used up to this gathered batch size.
+MASKED_CPU_MAX = 256
 def _sum_losses(out: dict[str, torch.Tensor]) -> torch.Tensor:
     return sum(v for k, v in out.items() if k.endswith("_loss"))
 
