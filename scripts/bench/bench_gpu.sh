@@ -9,8 +9,8 @@
 # gpu.json), then runs scripts/bench/gpu_bench.py: our train_step against open_clip_train's (ViT-B-32
 # bf16, samples/s, MFU), then whole steps from photo shards made there with data.decode=worker and
 # =device against open_clip_train's loader; the tiled loss's memory at B = 65,536; bf16 agreement of every
-# objective; FSDP/DeepSpeed/DDP train + resume (+ eval, export); k-means. Results: $OUT/gpu.json if OUT
-# is set (the device tool's), else bench_results/gpu.json, rewritten after each section.
+# objective; FSDP/DeepSpeed train + resume (+ eval, export); k-means. Results: $OUT/gpu.json if OUT
+# is set (the device tool's), else bench_results/gpu.json, rewritten after each measurement.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bundle=.cache/gpu-bundle; python=${PYTHON:-python3}; out=${OUT:-bench_results}; cpu=()

@@ -33,9 +33,10 @@ one H200) would end past --budget seconds is skipped and says so:
                and of open_clip's ClipLoss at B = --loss-batch (D = 512).
   precision    every objective (tiled and not) under autocast in bf16 against fp32 on the device: relative
                error of value and feature gradient (mmpretrain/testing/precision.py, the CPU test's cases).
-  engines      ``accelerate launch`` with configs/accelerate/{1gpu,fsdp,deepspeed-zero2}.yaml, 1 process:
+  engines      ``accelerate launch`` with configs/accelerate/{fsdp,deepspeed-zero2}.yaml (``--engines ddp`` adds
+               1gpu.yaml), 1 process:
                train 6 steps (checkpoints at 3 and 6) and resume to 8 with each; ``mmpretrain.export`` of
-               the FSDP and DeepSpeed runs, ``mmpretrain.eval`` of the FSDP run (STAGES: 9 cold launches);
+               the FSDP and DeepSpeed runs, ``mmpretrain.eval`` of the FSDP run (STAGES: 6 cold launches);
                torch AdamW throughout (DeepSpeed wraps it in its ZeRO-2 optimizer). --engine-wrapper runs
                the FSDP/DeepSpeed launches through a script (the CPU test passes
                tests/scripts/gpu_engine_on_cpu.py, since accelerate refuses those engines without a GPU).
@@ -703,7 +704,9 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of the device (default: by name)")
-    p.add_argument("--engines", nargs="+", choices=list(ENGINES), default=list(ENGINES))
+    p.add_argument("--engines", nargs="+", choices=list(ENGINES), default=["fsdp", "deepspeed"],
+                   help="engine smoke runs (default fsdp deepspeed: 6 cold launches, ~60 s; the step section "
+                        "already trains under plain accelerate on the GPU)")
     p.add_argument("--engine-wrapper", default=None, help="script the FSDP/DeepSpeed launches run through")
     p.add_argument("--stage-timeout", type=int, default=300)
     p.add_argument("--fault", default=None, metavar="SECTION[.MEASUREMENT]",
