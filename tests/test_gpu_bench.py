@@ -227,3 +227,10 @@ def test_each_side_gets_its_own_mfu():
     out = e2e.summary(sides, 10, 1.0)
     assert out["mfu"] == {"ours_decode_worker": 20.0, "open_clip_train": 15.0}
     assert out["ours_decode_worker_over_open_clip"] == 2.0 and "device_over_worker" not in out
+
+
+@pytest.mark.integration  # starts a process
+def test_a_fault_that_names_no_measurement_is_refused(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/bench/gpu_bench.py"), "--data", str(tmp_path),
+                        "--fault", "step.end_to_end.device"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "names no measurement" in r.stderr and "step.end_to_end.ours_decode_device" in r.stderr

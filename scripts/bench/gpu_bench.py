@@ -553,6 +553,7 @@ SECTIONS = ("step", "jpeg_faults", "crop_stage", "loss_memory", "precision", "en
 # + 138 steps at 1,300-2,000 images/s from 8 workers)
 ESTIMATE_S = {"step": 130, "jpeg_faults": 5, "crop_stage": 10, "loss_memory": 10, "precision": 10, "engines": 60,
               "kmeans": 15}
+MEASUREMENTS_E2E = ("photos", "ours_decode_worker", "ours_decode_device", "open_clip_train")
 # TF32 per section: the step and the data path as users train (the trainer turns it on on a GPU, as
 # open_clip_train does); the comparisons against fp32 in true fp32
 TF32 = {"step": True, "jpeg_faults": True, "crop_stage": True, "loss_memory": False, "precision": False,
@@ -715,6 +716,11 @@ def main() -> int:
                    help="raise at the start of this measurement (the rehearsal's injected failure), e.g. "
                         "step.end_to_end.ours_decode_device")
     args = p.parse_args()
+    known = [*(s for s in SECTIONS if s not in ("step", "engines")), "step.fixed_batch", *(f"step.end_to_end.{m}" for m in MEASUREMENTS_E2E),
+             *(f"engines.{e}" for e in ENGINES)]
+    if args.fault is not None and args.fault not in known:
+        print(f"error: --fault {args.fault} names no measurement; one of: {', '.join(known)}", file=sys.stderr)
+        return 2
     data = Path(args.data)
     missing = [s for s in ("train", "test") if not (data / s).is_dir()]
     if missing:
