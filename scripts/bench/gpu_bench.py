@@ -600,7 +600,8 @@ class Recorder:
                    "traceback": [f"{Path(f.filename).name}:{f.lineno} in {f.name}: {f.line}" for f in frames]}
             self.failed.append(key)
         out["seconds"] = round(time.perf_counter() - t0, 1)
-        print(f"{key}: {'FAILED, ' if 'error' in out else ''}{out['seconds']} s -> {self.path}", flush=True)
+        if name is not None:  # a whole section's line is main's
+            print(f"{key}: {'FAILED, ' if 'error' in out else ''}{out['seconds']} s -> {self.path}", flush=True)
         return self.put(section, name, out)
 
 
@@ -760,7 +761,8 @@ def main() -> int:
             continue
         run_section(rec, section, args, device, data)
         rec.put(section, None, {"seconds": round(time.perf_counter() - t0, 1)})
-        print(f"{section}: {result['sections'][section]['seconds']} s -> {path}", flush=True)
+        failed = "FAILED, " if "error" in result["sections"][section] else ""
+        print(f"{section}: {failed}{result['sections'][section]['seconds']} s -> {path}", flush=True)
     result["seconds"] = {k: v.get("seconds") for k, v in result["sections"].items()}
     save(result, path)
     if rec.failed:
