@@ -63,6 +63,8 @@ CONFIGS = {
     # clustered after the first step (a full bank of 16), region terms active in the step counted
     "regions": ["loss=[{name: regions, options: {base: clip, scales: [2, 4], bank_size: 16, refresh_every: 100}}]"],
     "device_decode": ["data.decode=device", "train.precision=bf16"],
+    # optim.layer_decay: 17 groups, each its own rate set from the host's schedule
+    "layer_decay": ["optim.layer_decay=0.75"],
     # foreach AdamW cannot skip an update on the device: the decision is read on the host, once
     "foreach": ["optim.implementation=foreach"],
 }

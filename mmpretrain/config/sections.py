@@ -216,6 +216,9 @@ class OptimConfig(_Strict):
     warmup_steps: int | None = Field(None, ge=0, description="default: 10% of total steps")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine floor as a fraction of lr")
     grad_clip_norm: float | None = Field(1.0, gt=0, description="clip the gradient's global norm to this (null: off)")
+    layer_decay: float | None = Field(None, gt=0, le=1, description="layer-wise learning-rate decay (BEiT): a layer "
+                                      "l of a tower of L blocks trains at lr x layer_decay^(L + 1 - l); embeddings "
+                                      "are layer 0, the head L + 1 (null: one rate; 0.65-0.75 is usual for fine-tuning)")
     implementation: Literal["fused", "foreach", "for_loop"] = Field(
         "fused", description="AdamW kernel: fused (one kernel over all parameters, CPU and CUDA; measured 8x faster "
         "than for_loop on this CPU), foreach, or for_loop (torch's CPU default, as open_clip_train)")

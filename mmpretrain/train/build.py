@@ -253,8 +253,24 @@ def build_loader(cfg: ExperimentConfig, data: Data, model: Model, objective: Wei
 
 def make_optimizer(cfg: ExperimentConfig, module: torch.nn.Module) -> torch.optim.Optimizer:
     o = cfg.optim
-    return torch.optim.AdamW(param_groups(module, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps,
+    return torch.optim.AdamW(param_groups(module, o.weight_decay, o.layer_decay), lr=o.lr, betas=o.betas, eps=o.eps,
                              fused=o.implementation == "fused" or None, foreach=o.implementation == "foreach")
+
+
+def layer_decay_note(module: torch.nn.Module, o) -> str:
+    """The learning-rate table ``optim.layer_decay`` gives: per tower and layer, its scale of ``optim.lr``
+    and how many trained parameters it holds."""
+    from mmpretrain.train.layer_decay import layer_decay_groups, tower_depths
+    from mmpretrain.train.schedule import _no_decay
+
+    _, table = layer_decay_groups(module, o.weight_decay, o.layer_decay, _no_decay)
+    depths = tower_depths(module)
+    lines = [f"note: optim.layer_decay={o.layer_decay}: lr x layer_decay^(L + 1 - layer) per tower "
+             f"({', '.join(f'{t} L={d}' for t, d in sorted(depths.items()))}; layer 0 embeddings, L + 1 the head)",
+             "  tower  layer  lr scale  lr         parameters"]
+    for tower, layer, scale, n in table:
+        lines.append(f"  {tower:<5}  {layer:>5}  {scale:8.4f}  {o.lr * scale:.3e}  {n:>10,}")
+    return "\n".join(lines)
 
 
 def write_run_files(files: RunFolder, cfg: ExperimentConfig, data: Data, model: Model, target_from: str,
@@ -336,6 +352,8 @@ def setup(cfg: ExperimentConfig) -> Run:
         print(f"note: {disk_note}", file=sys.stderr)
     if cfg.train.channels_last:
         model.module.to(memory_format=torch.channels_last)
+    if cfg.optim.layer_decay is not None and acc.is_main_process:
+        print(layer_decay_note(model.module, cfg.optim), file=sys.stderr)
     module, optimizer = acc.prepare(model.module, make_optimizer(cfg, model.module))
     objective.to(acc.device)
     target_encoder = load_target_encoder(cfg.targets.model, str(acc.device)) if target_from == "online" else None

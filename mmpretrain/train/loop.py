@@ -54,8 +54,8 @@ def train_step(run: Run, batch: dict[str, Any]) -> StepResult:
     guard = run.nonfinite
     lr = lr_at(st.step, base_lr=cfg.optim.lr, warmup_steps=sched.warmup_steps, total_steps=sched.total_steps,
                min_lr_ratio=cfg.optim.min_lr_ratio)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
+    for group in run.optimizer.param_groups:  # optim.layer_decay: each group its own share of the rate
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     images = run.images(batch, acc.device)
     target_emb = batch.get("target_embeddings")
     if run.target_encoder is not None:

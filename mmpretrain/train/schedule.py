@@ -61,7 +61,13 @@ def _no_decay(name: str, p: nn.Parameter) -> bool:
     return p.ndim < 2 or "bn" in name or "ln" in name or "norm" in name or "bias" in name or "logit_scale" in name
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | None = None) -> list[dict]:
+    """AdamW's groups: decayed and not (open_clip's rule); with ``layer_decay`` one group per tower layer
+    and decay, each with its ``lr_scale`` (:mod:`mmpretrain.train.layer_decay`)."""
+    if layer_decay is not None:
+        from mmpretrain.train.layer_decay import layer_decay_groups
+
+        return layer_decay_groups(model, weight_decay, layer_decay, _no_decay)[0]
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
