@@ -80,8 +80,11 @@ def _write_into(tmp: Path, out: Path, previous: list[str]) -> list[str]:
 
 
 def export(run_dir: str | Path, out: str | Path, *, fmt: str = "open_clip", towers: str = "both",
-           repo_id: str | None = None, overwrite: bool = False) -> list[Path]:
-    """Write the export into ``out`` (see :func:`check_out` for what is refused); returns its files."""
+           repo_id: str | None = None, overwrite: bool = False, interpolate: str | None = None,
+           alpha: float = 1.0) -> list[Path]:
+    """Write the export into ``out`` (see :func:`check_out` for what is refused); returns its files.
+    ``interpolate``: WiSE-FT with these weights at ``alpha`` (:mod:`mmpretrain.export.wise_ft`; ``"run"``:
+    the run's own ``model.pretrained``)."""
     files, out = RunFolder(Path(run_dir)), Path(out)
     if fmt == "open_clip" and towers != "both":
         raise ExportError("--towers image needs --format transformers (open_clip loads only whole models); "
@@ -99,18 +102,42 @@ def export(run_dir: str | Path, out: str | Path, *, fmt: str = "open_clip", towe
         clip, model_cfg, preprocess_cfg = load_run_clip(files.root)
     except WeightsError as e:
         raise ExportError(f"{files.latest_checkpoint()}: {e}") from None
+    wise = None
+    if interpolate is not None:
+        wise = _interpolate(files, clip, interpolate, alpha)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))  # ours alone to delete
     try:
-        _write_export(files, tmp, clip, model_cfg, preprocess_cfg, fmt, towers, repo_id)
+        _write_export(files, tmp, clip, model_cfg, preprocess_cfg, fmt, towers, repo_id, wise)
         written = _write_into(tmp, out, previous)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return [out / f for f in written]
 
 
+def _interpolate(files: RunFolder, clip, spec: str, alpha: float) -> dict:
+    """Load ``spec``'s weights into ``clip`` interpolated with the run's at ``alpha``; what the card says."""
+    import yaml
+
+    from mmpretrain.export.wise_ft import WiseFTError, interpolate, pretrained_state
+
+    cfg = yaml.safe_load(files.config.read_text()) if files.config.is_file() else {}
+    model = cfg.get("model") or {}
+    if spec == "run":
+        spec = model.get("pretrained")
+        if not spec:
+            raise ExportError(f"--interpolate: {files.root} was trained from scratch (its config.yaml has no "
+                              "model.pretrained); give the weights to interpolate with: --interpolate PRETRAINED")
+    try:
+        state = interpolate(clip.state_dict(), pretrained_state(spec, model.get("arch")), alpha, what=spec)
+    except (WiseFTError, FileNotFoundError, OSError) as e:
+        raise ExportError(str(e)) from None
+    clip.load_state_dict(state, strict=True)
+    return {"method": "WiSE-FT", "pretrained": spec, "alpha": alpha}
+
+
 def _write_export(files: RunFolder, tmp: Path, clip, model_cfg: dict, preprocess_cfg: dict, fmt: str, towers: str,
-                  repo_id: str | None) -> None:
+                  repo_id: str | None, wise: dict | None = None) -> None:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
@@ -134,7 +161,9 @@ def _write_export(files: RunFolder, tmp: Path, clip, model_cfg: dict, preprocess
             shutil.copy2(files.root / name, tmp / name)
     if files.plots.is_dir():
         shutil.copytree(files.plots, tmp / "plots")
-    (tmp / "README.md").write_text(model_card(files, model_cfg, repo_id, fmt, towers))
+    (tmp / "README.md").write_text(model_card(files, model_cfg, repo_id, fmt, towers, wise))
+    if wise is not None:
+        (tmp / "wise_ft.json").write_text(json.dumps(wise, indent=2))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,10 +181,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="with --push-to-hub: list what would be uploaded")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier export in --out (only the files its export_manifest.json lists)")
+    p.add_argument("--interpolate", nargs="?", const="run", default=None, metavar="PRETRAINED",
+                   help="WiSE-FT: export (1 - alpha) x PRETRAINED + alpha x the run's weights; PRETRAINED as "
+                        "model.pretrained takes it (run or export folder, weights file, hf-hub:ID, open_clip tag); "
+                        "without a value, the run's own model.pretrained")
+    p.add_argument("--alpha", type=float, default=None,
+                   help="with --interpolate: the fine-tuned share, in [0, 1] (0: PRETRAINED, 1: the run)")
     args = p.parse_args(argv)
+    if args.alpha is not None and args.interpolate is None:
+        p.error("--alpha needs --interpolate PRETRAINED")
+    if args.interpolate is not None and (args.alpha is None or not 0.0 <= args.alpha <= 1.0):
+        pre = "the run's model.pretrained" if args.interpolate == "run" else args.interpolate
+        p.error(f"--interpolate needs --alpha in [0, 1] (0: {pre}, 1: the fine-tuned run); got {args.alpha}")
     try:
         files = export(args.run_dir, args.out, fmt=args.format, towers=args.towers, repo_id=args.push_to_hub,
-                       overwrite=args.overwrite)
+                       overwrite=args.overwrite, interpolate=args.interpolate,
+                       alpha=1.0 if args.alpha is None else args.alpha)
     except (ExportError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -30,7 +30,8 @@ def license_for(data: list[dict]) -> str:
     return "other"
 
 
-def model_card(files: RunFolder, model_cfg: dict, repo_id: str | None, fmt: str = "open_clip", towers: str = "both") -> str:
+def model_card(files: RunFolder, model_cfg: dict, repo_id: str | None, fmt: str = "open_clip", towers: str = "both",
+               wise: dict | None = None) -> str:
     cfg = yaml.safe_load(files.config.read_text()) if files.config.is_file() else {}
     prov = files.read_json(files.provenance)
     results = files.read_json(files.results)
@@ -58,6 +59,13 @@ def model_card(files: RunFolder, model_cfg: dict, repo_id: str | None, fmt: str 
              f"{resolved.get('global_batch_size')} on {resolved.get('world_size')} process(es)",
              f"- code: git `{prov.get('git_sha')}`; packages: "
              + ", ".join(f"{k} {v}" for k, v in (prov.get("packages") or {}).items() if v), ""]
+    if cfg.get("model", {}).get("pretrained"):
+        lines.insert(-1, f"- fine-tuned from: `{cfg['model']['pretrained']}`")
+    if wise is not None:
+        lines += ["## Weight interpolation (WiSE-FT)", "",
+                  f"These weights are `(1 - {wise['alpha']}) x {wise['pretrained']} + {wise['alpha']} x` the "
+                  "fine-tuned run's, per tensor (Wortsman et al., CVPR 2022); the results below are the "
+                  "fine-tuned run's, not this interpolation's.", ""]
     if data:
         lines += ["## Training data", "", "| source | dataset | licence | samples |", "|---|---|---|---|"]
         lines += [f"| `{d.get('spec')}` | {d.get('dataset') or '-'} | {d.get('license') or 'not recorded'} | "
