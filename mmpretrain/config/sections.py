@@ -224,6 +224,12 @@ class OptimConfig(_Strict):
         "than for_loop on this CPU), foreach, or for_loop (torch's CPU default, as open_clip_train)")
 
 
+class EMAConfig(_Strict):
+    decay: float = Field(0.9998, gt=0, lt=1, description="ema <- decay x ema + (1 - decay) x weights after an update")
+    every: int = Field(1, gt=0, description="update the average every N optimizer steps")
+    warmup_steps: int = Field(0, ge=0, description="until this step the average is a copy of the weights")
+
+
 class TrainConfig(_Strict):
     epochs: float | None = Field(None, gt=0, description="epochs of data.num_samples; converted to steps")
     steps: int | None = Field(None, gt=0, description="optimizer steps; exclusive with epochs")
@@ -255,6 +261,8 @@ class TrainConfig(_Strict):
                                 "convolutions on GPUs: ResNet towers, a ViT's patch embedding)")
     text_length_multiple: int = Field(8, gt=0, description="trimmed text batches are cut to a multiple of this many "
                                       "tokens (at most the context): few shapes for torch.compile, tensor-core sizes")
+    ema: EMAConfig | None = Field(None, description="an exponential moving average of the trained weights, saved in "
+                                  "each checkpoint, evaluated beside them, exported with --ema (DDP; not FSDP/DeepSpeed)")
 
     @field_validator("precision")
     @classmethod

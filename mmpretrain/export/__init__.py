@@ -81,7 +81,7 @@ def _write_into(tmp: Path, out: Path, previous: list[str]) -> list[str]:
 
 def export(run_dir: str | Path, out: str | Path, *, fmt: str = "open_clip", towers: str = "both",
            repo_id: str | None = None, overwrite: bool = False, interpolate: str | None = None,
-           alpha: float = 1.0) -> list[Path]:
+           alpha: float = 1.0, ema: bool = False) -> list[Path]:
     """Write the export into ``out`` (see :func:`check_out` for what is refused); returns its files.
     ``interpolate``: WiSE-FT with these weights at ``alpha`` (:mod:`mmpretrain.export.wise_ft`; ``"run"``:
     the run's own ``model.pretrained``)."""
@@ -102,9 +102,11 @@ def export(run_dir: str | Path, out: str | Path, *, fmt: str = "open_clip", towe
         clip, model_cfg, preprocess_cfg = load_run_clip(files.root)
     except WeightsError as e:
         raise ExportError(f"{files.latest_checkpoint()}: {e}") from None
-    wise = None
+    if ema:
+        _use_ema(files, clip)
+    wise = {"ema": True} if ema else None
     if interpolate is not None:
-        wise = _interpolate(files, clip, interpolate, alpha)
+        wise = {**_interpolate(files, clip, interpolate, alpha), **(wise or {})}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))  # ours alone to delete
     try:
@@ -113,6 +115,26 @@ def export(run_dir: str | Path, out: str | Path, *, fmt: str = "open_clip", towe
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return [out / f for f in written]
+
+
+def _use_ema(files: RunFolder, clip) -> None:
+    """The checkpoint's weight average (train.ema) in place of the trained weights it averages."""
+    import torch
+
+    from mmpretrain.train.ema import EMA_FILE, ema_weights
+
+    ckpt = files.latest_checkpoint()
+    avg = ema_weights(ckpt)
+    if avg is None:
+        raise ExportError(f"--ema: {ckpt} holds no {EMA_FILE} (the run trained without train.ema); export "
+                          "without --ema, or train with train.ema={decay: 0.9998}")
+    own = clip.state_dict()
+    with torch.no_grad():
+        for name, v in avg.items():
+            key = name.removeprefix("clip.")
+            if key not in own:
+                raise ExportError(f"--ema: {ckpt / EMA_FILE} names {name}, which the model does not have")
+            own[key].copy_(v.reshape(own[key].shape))
 
 
 def _interpolate(files: RunFolder, clip, spec: str, alpha: float) -> dict:
@@ -162,7 +184,7 @@ def _write_export(files: RunFolder, tmp: Path, clip, model_cfg: dict, preprocess
     if files.plots.is_dir():
         shutil.copytree(files.plots, tmp / "plots")
     (tmp / "README.md").write_text(model_card(files, model_cfg, repo_id, fmt, towers, wise))
-    if wise is not None:
+    if wise is not None and "method" in wise:
         (tmp / "wise_ft.json").write_text(json.dumps(wise, indent=2))
 
 
@@ -181,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="with --push-to-hub: list what would be uploaded")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier export in --out (only the files its export_manifest.json lists)")
+    p.add_argument("--ema", action="store_true",
+                   help="export the checkpoint's weight average (train.ema) instead of the trained weights")
     p.add_argument("--interpolate", nargs="?", const="run", default=None, metavar="PRETRAINED",
                    help="WiSE-FT: export (1 - alpha) x PRETRAINED + alpha x the run's weights; PRETRAINED as "
                         "model.pretrained takes it (run or export folder, weights file, hf-hub:ID, open_clip tag); "
@@ -196,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         files = export(args.run_dir, args.out, fmt=args.format, towers=args.towers, repo_id=args.push_to_hub,
                        overwrite=args.overwrite, interpolate=args.interpolate,
-                       alpha=1.0 if args.alpha is None else args.alpha)
+                       alpha=1.0 if args.alpha is None else args.alpha, ema=args.ema)
     except (ExportError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

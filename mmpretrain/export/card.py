@@ -61,7 +61,12 @@ def model_card(files: RunFolder, model_cfg: dict, repo_id: str | None, fmt: str 
              + ", ".join(f"{k} {v}" for k, v in (prov.get("packages") or {}).items() if v), ""]
     if cfg.get("model", {}).get("pretrained"):
         lines.insert(-1, f"- fine-tuned from: `{cfg['model']['pretrained']}`")
-    if wise is not None:
+    if wise is not None and wise.get("ema"):
+        e = cfg.get("train", {}).get("ema") or {}
+        lines += ["## Weights", "", f"The exponential moving average of the trained weights (train.ema: decay "
+                  f"{e.get('decay')}, every {e.get('every')} step(s), a copy until step {e.get('warmup_steps')}), "
+                  "not the last step's weights.", ""]
+    if wise is not None and "method" in wise:
         lines += ["## Weight interpolation (WiSE-FT)", "",
                   f"These weights are `(1 - {wise['alpha']}) x {wise['pretrained']} + {wise['alpha']} x` the "
                   "fine-tuned run's, per tensor (Wortsman et al., CVPR 2022); the results below are the "

@@ -35,7 +35,9 @@ from mmpretrain.models.target_encoder import choose_target_source, load_target_e
 from mmpretrain.run_files import JsonlLog, RunFolder, provenance
 from mmpretrain.train.checkpoint import build_position, check_layout, decide_resume, restore_state
 from mmpretrain.train.disk import CheckpointWriteError, check_disk
+from mmpretrain.train.ema import make_ema
 from mmpretrain.train.engine import configure_engine, engine_requested, input_dtype, make_accelerator
+from mmpretrain.train.layer_decay import layer_decay_note
 from mmpretrain.train.schedule import Schedule, param_groups, resolve_schedule
 from mmpretrain.train.state import Run, TrainState, numeric
 
@@ -257,22 +259,6 @@ def make_optimizer(cfg: ExperimentConfig, module: torch.nn.Module) -> torch.opti
                              fused=o.implementation == "fused" or None, foreach=o.implementation == "foreach")
 
 
-def layer_decay_note(module: torch.nn.Module, o) -> str:
-    """The learning-rate table ``optim.layer_decay`` gives: per tower and layer, its scale of ``optim.lr``
-    and how many trained parameters it holds."""
-    from mmpretrain.train.layer_decay import layer_decay_groups, tower_depths
-    from mmpretrain.train.schedule import _no_decay
-
-    _, table = layer_decay_groups(module, o.weight_decay, o.layer_decay, _no_decay)
-    depths = tower_depths(module)
-    lines = [f"note: optim.layer_decay={o.layer_decay}: lr x layer_decay^(L + 1 - layer) per tower "
-             f"({', '.join(f'{t} L={d}' for t, d in sorted(depths.items()))}; layer 0 embeddings, L + 1 the head)",
-             "  tower  layer  lr scale  lr         parameters"]
-    for tower, layer, scale, n in table:
-        lines.append(f"  {tower:<5}  {layer:>5}  {scale:8.4f}  {o.lr * scale:.3e}  {n:>10,}")
-    return "\n".join(lines)
-
-
 def write_run_files(files: RunFolder, cfg: ExperimentConfig, data: Data, model: Model, target_from: str,
                     world_size: int, records: list[dict[str, Any]], largest: int) -> None:
     """config.yaml (resolved), model_config.json, provenance.json (with the training data's manifests)
@@ -356,6 +342,7 @@ def setup(cfg: ExperimentConfig) -> Run:
         print(layer_decay_note(model.module, cfg.optim), file=sys.stderr)
     module, optimizer = acc.prepare(model.module, make_optimizer(cfg, model.module))
     objective.to(acc.device)
+    ema = make_ema(cfg, acc, module, ckpt if saved is not None else None)
     target_encoder = load_target_encoder(cfg.targets.model, str(acc.device)) if target_from == "online" else None
     records = restore_state(acc, objective, state, files, ckpt, saved) if saved is not None else []
     acc.wait_for_everyone()
@@ -375,7 +362,7 @@ def setup(cfg: ExperimentConfig) -> Run:
               tokenizer=factory.make_tokenizer(model.model_cfg), target_encoder=target_encoder,
               trim_text=factory.trims_text(model.module.clip), evaluator=evaluator,
               log=JsonlLog(files.log, records) if acc.is_main_process else None, images=images,
-              teacher_dims=teacher_dims)
+              teacher_dims=teacher_dims, ema=ema)
     if cfg.train.log_with:
         hparams = {k: str(v) if isinstance(v, (list, dict)) else v
                    for k, v in flat_config(cfg.model_dump(mode="json")).items() if v is not None}

@@ -41,7 +41,8 @@ __all__ = ["Resume", "build_position", "check_layout", "check_resume", "checkpoi
 
 
 def save_checkpoint(accelerator, files: RunFolder, step: int, train_state: dict[str, Any], keep_last: int | None = None,
-                    objective_state: dict[str, torch.Tensor] | None = None, model: torch.nn.Module | None = None) -> Path:
+                    objective_state: dict[str, torch.Tensor] | None = None, model: torch.nn.Module | None = None,
+                    ema_state: dict[str, torch.Tensor] | None = None) -> Path:
     """``objective_state``: the objective's ``state_dict`` (the same on every rank), written by the main
     process when not empty. Keeps the newest ``keep_last`` complete checkpoints.
 
@@ -66,6 +67,8 @@ def save_checkpoint(accelerator, files: RunFolder, step: int, train_state: dict[
             if objective_state:
                 save_file({k: v.detach().cpu().contiguous() for k, v in objective_state.items()},
                           str(tmp / OBJECTIVE_STATE))
+            if ema_state is not None:  # train.ema (train/ema.py)
+                save_file(ema_state, str(tmp / "ema.safetensors"))
             state = dict(train_state, step=step, saved_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
             (tmp / TRAIN_STATE).write_text(json.dumps(state, indent=2))
     except Exception as e:

@@ -19,7 +19,7 @@ from collections import defaultdict
 
 from torch import nn
 
-__all__ = ["layer_decay_groups", "layer_of", "tower_depths"]
+__all__ = ["layer_decay_groups", "layer_decay_note", "layer_of", "tower_depths"]
 
 # block index inside a tower: open_clip's transformers, timm's trunks, Hugging Face encoders
 _BLOCK = re.compile(r"(?:resblocks|blocks|encoder\.layers?|layers)\.(\d+)\.")
@@ -94,3 +94,18 @@ def layer_decay_groups(model: nn.Module, weight_decay: float, decay: float,
         sizes[(tower, layer, scale)] += p.numel()
     table = sorted((t, layer, s, n) for (t, layer, s), n in sizes.items())
     return list(groups.values()), table
+
+
+def layer_decay_note(module: nn.Module, o) -> str:
+    """The learning-rate table ``optim.layer_decay`` gives: per tower and layer, its scale of ``optim.lr``
+    and how many trained parameters it holds."""
+    from mmpretrain.train.schedule import _no_decay
+
+    _, table = layer_decay_groups(module, o.weight_decay, o.layer_decay, _no_decay)
+    depths = tower_depths(module)
+    lines = [f"note: optim.layer_decay={o.layer_decay}: lr x layer_decay^(L + 1 - layer) per tower "
+             f"({', '.join(f'{t} L={d}' for t, d in sorted(depths.items()))}; layer 0 embeddings, L + 1 the head)",
+             "  tower  layer  lr scale  lr         parameters"]
+    for tower, layer, scale, n in table:
+        lines.append(f"  {tower:<5}  {layer:>5}  {scale:8.4f}  {o.lr * scale:.3e}  {n:>10,}")
+    return "\n".join(lines)

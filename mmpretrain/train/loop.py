@@ -129,6 +129,8 @@ def fit(run: Run) -> dict[str, Any]:
             st.position.advance(batch)
             res = train_step(run, batch)
             st.step += 1
+            if run.ema is not None:
+                run.ema.update(st.step)
             st.samples += sched.global_batch_size
             bar.update(1)
             end = st.step == sched.total_steps
@@ -171,7 +173,8 @@ def fit(run: Run) -> dict[str, Any]:
 def checkpoint(run: Run) -> Path:
     """Save a checkpoint of the current step (every rank); ``hub.push_every``: upload it (main process)."""
     ckpt = save_checkpoint(run.accelerator, run.files, run.state.step, train_state_json(run), run.cfg.train.keep_last,
-                           run.objective.state_dict(), run.model)
+                           run.objective.state_dict(), run.model,
+                           ema_state=run.ema.state_dict() if run.ema is not None else None)
     hub = run.cfg.hub
     if hub is not None and hub.push_every and run.state.step % hub.push_every == 0 and run.accelerator.is_main_process:
         push_folder(ckpt, hub.repo_id, private=hub.private, revision=hub.revision,

@@ -104,6 +104,15 @@ def evaluate(run: Run) -> dict[str, Any]:
     for e in entries:
         for k, v in e["metrics"].items():
             rec[f"eval/{e['dataset']}/{k}"] = v
+    if run.ema is not None:  # the averaged weights, scored beside the trained ones
+        with run.ema.swapped_in(), full_weights(run.accelerator, run.model) as module:
+            ema_entries = run.evaluator.run(module.clip, run.preprocess, run.tokenizer,
+                                            model_name=f"step_{run.state.step}_ema")
+        run.model.train()
+        for e in ema_entries:
+            for k, v in e["metrics"].items():
+                rec[f"eval_ema/{e['dataset']}/{k}"] = v
+        entries = [*entries, *ema_entries]
     if run.accelerator.is_main_process:
         merge_results(run.files.results, entries)
     return rec

@@ -56,6 +56,7 @@ class Run:
     images: ImageInput = field(default_factory=ImageInput)  # batch -> model input (data/image_input.py)
     nonfinite: Any = None  # the non-finite step guard (train/nonfinite.py), made by the first train_step
     teacher_dims: list[int] | None = None  # each stored teacher's width, for objectives that distill (teacher.py)
+    ema: Any = None  # train.ema: the weights' moving average (train/ema.py)
 
     def write(self, rec: dict[str, Any]) -> None:
         """A log record: log.jsonl and the trackers (main process)."""

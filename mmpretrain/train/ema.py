@@ -1,0 +1,111 @@
+"""``train.ema``: an exponential moving average of the trained weights (timm's ModelEma; in neither
+open_clip release). After every ``every``-th optimizer step ``s``:
+
+    ema <- decay x ema + (1 - decay) x weights        (s > warmup_steps)
+    ema <- weights                                     (s <= warmup_steps: a copy, while the weights move fast)
+
+in fp32 on the weights' device, over the parameters that train (frozen ones are the model's own), on
+the training thread without a host read. Under DDP every rank holds the same weights and so the same
+average; the main process saves it into each checkpoint as ``ema.safetensors`` (parameter names as the
+model's), a resume loads it back (bit-identical), evaluation during training scores it beside the raw
+weights, and ``mmpretrain.export RUN --ema`` exports it. FSDP and DeepSpeed shard the weights, so each
+rank would average only its shard and the checkpoint would need the engine's gather: refused there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mmpretrain.config import ConfigError, ExperimentConfig
+from mmpretrain.launch import engine_of
+
+__all__ = ["EMA", "EMA_FILE", "ema_weights", "make_ema"]
+
+EMA_FILE = "ema.safetensors"
+
+
+class EMA:
+    def __init__(self, module: nn.Module, decay: float, every: int = 1, warmup_steps: int = 0):
+        self.names = [n for n, p in module.named_parameters() if p.requires_grad]
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.shadow = [p.detach().float().clone() for p in self.params]
+        self.decay, self.every, self.warmup_steps = decay, every, warmup_steps
+
+    @torch.no_grad()
+    def update(self, step: int) -> None:
+        """After optimizer step ``step`` (1-based)."""
+        if step % self.every:
+            return
+        if step <= self.warmup_steps:
+            for s, p in zip(self.shadow, self.params):
+                s.copy_(p.detach())
+            return
+        w = 1.0 - self.decay
+        for s, p in zip(self.shadow, self.params):
+            s.lerp_(p.detach().float(), w)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: s.detach().cpu().contiguous() for n, s in zip(self.names, self.shadow)}
+
+    def load(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        saved = load_file(str(path))
+        missing = [n for n in self.names if n not in saved]
+        if missing:
+            raise ValueError(f"{path} holds no average of {len(missing)} trained parameter(s), e.g. {missing[0]}: "
+                             "it was written for another set of trained parameters")
+        with torch.no_grad():
+            for n, s in zip(self.names, self.shadow):
+                s.copy_(saved[n].reshape(s.shape))
+
+    @contextlib.contextmanager
+    def swapped_in(self):
+        """The averaged weights in the model for the block (evaluation), the trained ones back after."""
+        backup = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, s in zip(self.params, self.shadow):
+                p.copy_(s)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, b in zip(self.params, backup):
+                    p.copy_(b)
+
+
+def ema_weights(ckpt: Path) -> dict[str, torch.Tensor] | None:
+    """A checkpoint's averaged weights (names as the dual encoder's), or None without them."""
+    from safetensors.torch import load_file
+
+    f = Path(ckpt) / EMA_FILE
+    return load_file(str(f)) if f.is_file() else None
+
+
+def make_ema(cfg: ExperimentConfig, acc, module: nn.Module, ckpt) -> EMA | None:
+    """``train.ema``: the average of the prepared model's trained weights, loaded from ``ckpt`` on a resume;
+    refused under FSDP and DeepSpeed (each rank holds a shard of the weights)."""
+    if cfg.train.ema is None:
+        return None
+    engine = engine_of(acc.distributed_type)
+    if engine in ("FSDP", "DEEPSPEED"):
+        raise ConfigError(f"train.ema under {'FSDP' if engine == 'FSDP' else 'DeepSpeed'}: each rank holds a shard of "
+                          "the weights, so an average here would cover a shard and need the engine's gather to save; "
+                          "not supported. Train with data parallelism (configs/accelerate/8gpu.yaml) or drop train.ema")
+    e = cfg.train.ema
+    ema = EMA(acc.unwrap_model(module), e.decay, e.every, e.warmup_steps)
+    if ckpt is not None:
+        if (ckpt / EMA_FILE).is_file():
+            try:
+                ema.load(ckpt / EMA_FILE)
+            except ValueError as err:
+                raise ConfigError(f"train.ema: {err}") from None
+        elif acc.is_main_process:
+            print(f"note: {ckpt} holds no weight average (train.ema was off): the average starts from the resumed "
+                  "weights", file=sys.stderr)
+    return ema
