@@ -138,12 +138,14 @@ def merge_results(path: str | Path, entries: list[dict[str, Any]]) -> dict[str, 
 
 
 def format_table(entries: list[dict[str, Any]]) -> str:
-    rows = [("dataset", "task", "metric", "value", "chance", "x chance")]
+    """The entries' metrics beside chance; a model column when they hold several (a WiSE-FT sweep)."""
+    several = len({e.get("model") for e in entries}) > 1
+    rows = [(*(("model",) if several else ()), "dataset", "task", "metric", "value", "chance", "x chance")]
     for e in entries:
         for k, v in e["metrics"].items():
             ch = e.get("chance", {}).get(k)
-            rows.append((e["dataset"], e["task"], k, f"{v:.4f}", f"{ch:.4f}" if ch is not None else "-",
-                         f"{v / ch:.1f}" if ch else "-"))
+            rows.append((*((str(e.get("model")),) if several else ()), e["dataset"], e["task"], k, f"{v:.4f}",
+                         f"{ch:.4f}" if ch is not None else "-", f"{v / ch:.1f}" if ch else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

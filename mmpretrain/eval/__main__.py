@@ -36,7 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num_workers", type=int, default=2, help="DataLoader workers decoding and preprocessing")
     p.add_argument("--device", default=None, help="default: this process's accelerator device, else cpu")
     p.add_argument("--output", default=None, help="results.json to create or add to")
+    p.add_argument("--interpolate", nargs="?", const="run", default=None, metavar="PRETRAINED",
+                   help="WiSE-FT curve: evaluate (1 - alpha) x PRETRAINED + alpha x MODEL at each --alpha (PRETRAINED "
+                        "as model.pretrained takes it; without a value, the run's own model.pretrained)")
+    p.add_argument("--alpha", type=float, nargs="+", default=None, help="with --interpolate: values in [0, 1]")
     args = p.parse_args(argv)
+    if (args.interpolate is None) != (args.alpha is None):
+        p.error("--interpolate and --alpha go together: --interpolate PRETRAINED --alpha 0 0.5 1")
+    if args.alpha is not None and not all(0.0 <= a <= 1.0 for a in args.alpha):
+        p.error(f"--alpha {' '.join(f'{a:g}' for a in args.alpha)}: each must be in [0, 1] (0: PRETRAINED, 1: MODEL)")
     if len(args.task) not in (1, len(args.dataset)):
         print("error: give one --task, or one per --dataset", file=sys.stderr)
         return 2
@@ -71,12 +79,26 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    features: dict = {}  # one model: the probe tasks on a dataset share its image pass
+    def evaluate_all(tag: str = "") -> list[dict]:
+        features: dict = {}  # one model: the probe tasks on a dataset share its image pass
+        return [evaluate(model, preprocess, tokenizer, d, task, model_name=args.model + tag,
+                         batch_size=args.batch_size, recall_k=args.recall_k, device=device,
+                         num_workers=args.num_workers, rank=proc.rank, world_size=proc.world_size, features=features)
+                for d, task in zip(data, tasks)]
+
     try:
-        entries = [evaluate(model, preprocess, tokenizer, d, task, model_name=args.model, batch_size=args.batch_size,
-                            recall_k=args.recall_k, device=device, num_workers=args.num_workers,
-                            rank=proc.rank, world_size=proc.world_size, features=features)
-                   for d, task in zip(data, tasks)]
+        if args.interpolate is None:
+            entries = evaluate_all()
+        else:
+            from mmpretrain.eval.wise_ft import pretrained_for, sweep
+            from mmpretrain.export.wise_ft import WiseFTError
+
+            try:
+                spec, arch = pretrained_for(args.model, args.interpolate)
+                entries = sweep(model, args.alpha, spec, arch, evaluate_all)
+            except (WiseFTError, ValueError, FileNotFoundError) as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
     except (ValueError, FileNotFoundError) as e:  # the data does not hold what the task needs
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -85,6 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(entries))
     if args.output:
         merge_results(args.output, entries)
+        if args.interpolate is not None:
+            from pathlib import Path
+
+            from mmpretrain.eval.wise_ft import plot_curve
+
+            out = Path(args.output)
+            plot = plot_curve(entries, out.with_name(out.stem + "_wise_ft.png"))
+            if plot is not None:
+                print(f"WiSE-FT curve: {plot}")
     else:
         print(json.dumps({"results": entries}, indent=2))
     return 0
