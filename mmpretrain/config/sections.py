@@ -136,6 +136,17 @@ class DataConfig(_Strict):
         return self
 
 
+class LoraSettings(_Strict):
+    rank: int = Field(8, gt=0, description="the adapters' rank r")
+    alpha: float = Field(16.0, gt=0, description="scale alpha: an adapter adds (alpha / r) x B A to its weight")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    towers: list[Literal["image", "text"]] = Field(["image", "text"], min_length=1,
+                                                   description="towers whose blocks get adapters (only those train)")
+    modules: list[Literal["attn", "mlp"]] = Field(["mlp"], min_length=1, description="mlp: each block's MLP linears "
+                                                  "(frozen weights stay exact); attn: its attention (q, k, v, output; "
+                                                  "open_clip's frozen attention weights drift by float rounding)")
+
+
 class ModelConfig(_Strict):
     arch: str = Field("mmpt-tiny-vit-minilm", description="open_clip architecture name (built-in or packaged)")
     pretrained: str | None = Field(None, description="open_clip pretrained tag or checkpoint file")
@@ -153,6 +164,15 @@ class ModelConfig(_Strict):
         "features as proj(target embedding) instead of re-running the frozen transformer (identical result)",
     )
     overrides: dict[str, Any] = Field(default_factory=dict, description="merged into open_clip's model config")
+    lora: LoraSettings | None = Field(None, description="LoRA adapters (peft) in the towers' blocks: only they train; "
+                                      "evaluation and export merge them into the weights")
+
+    @model_validator(mode="after")
+    def _lora_towers_run(self) -> ModelConfig:
+        if self.lora is not None and "text" in self.lora.towers and self.text_from_targets:
+            raise ValueError("model.lora.towers includes text, but model.text_from_targets=true never runs the text "
+                             "tower: set model.lora.towers=[image] or model.text_from_targets=false")
+        return self
 
     @model_validator(mode="after")
     def _unlocked_needs_locked(self) -> ModelConfig:

@@ -99,11 +99,11 @@ def export(run_dir: str | Path, out: str | Path, *, fmt: str = "open_clip", towe
     from mmpretrain.models.load import WeightsError, load_run_clip
 
     try:
-        clip, model_cfg, preprocess_cfg = load_run_clip(files.root)
+        clip, model_cfg, preprocess_cfg = load_run_clip(files.root, ema=ema)
     except WeightsError as e:
         raise ExportError(f"{files.latest_checkpoint()}: {e}") from None
-    if ema:
-        _use_ema(files, clip)
+    except FileNotFoundError as e:
+        raise ExportError(f"--ema: {e}; export without --ema, or train with train.ema={{decay: 0.9998}}") from None
     wise = {"ema": True} if ema else None
     if interpolate is not None:
         wise = {**_interpolate(files, clip, interpolate, alpha), **(wise or {})}
@@ -115,26 +115,6 @@ def export(run_dir: str | Path, out: str | Path, *, fmt: str = "open_clip", towe
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return [out / f for f in written]
-
-
-def _use_ema(files: RunFolder, clip) -> None:
-    """The checkpoint's weight average (train.ema) in place of the trained weights it averages."""
-    import torch
-
-    from mmpretrain.train.ema import EMA_FILE, ema_weights
-
-    ckpt = files.latest_checkpoint()
-    avg = ema_weights(ckpt)
-    if avg is None:
-        raise ExportError(f"--ema: {ckpt} holds no {EMA_FILE} (the run trained without train.ema); export "
-                          "without --ema, or train with train.ema={decay: 0.9998}")
-    own = clip.state_dict()
-    with torch.no_grad():
-        for name, v in avg.items():
-            key = name.removeprefix("clip.")
-            if key not in own:
-                raise ExportError(f"--ema: {ckpt / EMA_FILE} names {name}, which the model does not have")
-            own[key].copy_(v.reshape(own[key].shape))
 
 
 def _interpolate(files: RunFolder, clip, spec: str, alpha: float) -> dict:

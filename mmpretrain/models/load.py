@@ -36,17 +36,45 @@ def readable_weights():
                          "export or train it again") from None
 
 
-def load_run_clip(run_dir: str | Path, device: str = "cpu") -> tuple[nn.Module, dict, dict]:
-    """The open_clip model of a run's latest checkpoint, with its model and preprocess configs."""
+def load_run_clip(run_dir: str | Path, device: str = "cpu", ema: bool = False) -> tuple[nn.Module, dict, dict]:
+    """The open_clip model of a run's latest checkpoint, with its model and preprocess configs; ``ema``:
+    with the checkpoint's weight average (train.ema) in place of the weights it averages. A LoRA run's
+    adapters are merged into the weights (the plain architecture)."""
     files = RunFolder(Path(run_dir))
     ckpt = files.latest_checkpoint()
     if ckpt is None:
         raise FileNotFoundError("no complete checkpoint under checkpoints/step_*/")
     model_cfg, preprocess_cfg = files.read_model_config()
     clip = instantiate(model_cfg, load_text_weights=False)
+    lora = _lora_of(files)
     with readable_weights():
-        clip.load_state_dict(checkpoint_clip_weights(ckpt), strict=True)
+        state = checkpoint_clip_weights(ckpt)
+        if ema:
+            from mmpretrain.train.ema import EMA_FILE, ema_weights
+
+            avg = ema_weights(ckpt)
+            if avg is None:
+                raise FileNotFoundError(f"{ckpt} holds no {EMA_FILE} (the run trained without train.ema)")
+            for name, v in avg.items():
+                key = name.removeprefix("clip.")
+                state[key] = v.reshape(state[key].shape) if key in state else v
+        if lora is None:
+            clip.load_state_dict(state, strict=True)
+        else:  # model.lora: the adapters merged into the weights, the plain architecture back
+            from mmpretrain.models.lora import merge_lora
+
+            clip = merge_lora(clip, lora, state)
     return clip.to(device).eval(), model_cfg, preprocess_cfg
+
+
+def _lora_of(files: RunFolder) -> dict | None:
+    """The run's ``model.lora`` settings (its resolved config.yaml), or None."""
+    import yaml
+
+    if not files.config.is_file():
+        return None
+    cfg = yaml.safe_load(files.config.read_text()) or {}
+    return (cfg.get("model") or {}).get("lora")
 
 
 def load_model(path: str, device: str = "cpu", pretrained: str | None = None):

@@ -31,6 +31,7 @@ from mmpretrain.hub_cache import offline, require_model
 from mmpretrain.launch import engine_of
 from mmpretrain.losses import WeightedObjective, build_objective
 from mmpretrain.models import factory
+from mmpretrain.models.lora import apply_lora_note
 from mmpretrain.models.target_encoder import choose_target_source, load_target_encoder
 from mmpretrain.run_files import JsonlLog, RunFolder, provenance
 from mmpretrain.train.checkpoint import build_position, check_layout, decide_resume, restore_state
@@ -167,6 +168,8 @@ def build_model(cfg: ExperimentConfig, objective: WeightedObjective) -> Model:
         module.clip.logit_scale.requires_grad_(False)
     if module.clip.logit_bias is not None and not objective.uses_logit_bias:
         module.clip.logit_bias.requires_grad_(False)
+    if m.lora is not None:
+        apply_lora_note(module, m, engine_requested())
     return Model(module, model_cfg, factory.default_preprocess_cfg(model_cfg))
 
 
