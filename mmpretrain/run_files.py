@@ -34,6 +34,7 @@ CHECKPOINTS = "checkpoints"
 MODEL_WEIGHTS = "model.safetensors"  # accelerate's save_state of the DualEncoder
 TRAIN_STATE = "train_state.json"
 OBJECTIVE_STATE = "objective.safetensors"
+EMA_WEIGHTS = "ema.safetensors"  # train.ema's average of the trained parameters (names as the DualEncoder's)
 CLIP_PREFIX = "clip."  # DualEncoder.clip: the open_clip model inside the trained module
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 
@@ -140,3 +141,11 @@ class JsonlLog:
         self.records.append(record)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def checkpoint_ema_weights(ckpt: Path) -> dict[str, Any] | None:
+    """A checkpoint's weight average (train.ema), names as the dual encoder's, or None without one."""
+    from safetensors.torch import load_file
+
+    f = Path(ckpt) / EMA_WEIGHTS
+    return load_file(str(f)) if f.is_file() else None

@@ -50,11 +50,11 @@ def load_run_clip(run_dir: str | Path, device: str = "cpu", ema: bool = False) -
     with readable_weights():
         state = checkpoint_clip_weights(ckpt)
         if ema:
-            from mmpretrain.train.ema import EMA_FILE, ema_weights
+            from mmpretrain.run_files import EMA_WEIGHTS, checkpoint_ema_weights
 
-            avg = ema_weights(ckpt)
+            avg = checkpoint_ema_weights(ckpt)
             if avg is None:
-                raise FileNotFoundError(f"{ckpt} holds no {EMA_FILE} (the run trained without train.ema)")
+                raise FileNotFoundError(f"{ckpt} holds no {EMA_WEIGHTS} (the run trained without train.ema)")
             for name, v in avg.items():
                 key = name.removeprefix("clip.")
                 state[key] = v.reshape(state[key].shape) if key in state else v

@@ -31,7 +31,7 @@ from mmpretrain.data.plan import StreamPlan
 from mmpretrain.data.stream import StreamPosition
 from mmpretrain.launch import engine_of
 from mmpretrain.losses import WeightedObjective
-from mmpretrain.run_files import MODEL_WEIGHTS, OBJECTIVE_STATE, TRAIN_STATE, RunFolder
+from mmpretrain.run_files import EMA_WEIGHTS, MODEL_WEIGHTS, OBJECTIVE_STATE, TRAIN_STATE, RunFolder
 from mmpretrain.train.disk import CheckpointWriteError, disk_full, free_bytes
 from mmpretrain.train.state import TrainState
 
@@ -68,7 +68,7 @@ def save_checkpoint(accelerator, files: RunFolder, step: int, train_state: dict[
                 save_file({k: v.detach().cpu().contiguous() for k, v in objective_state.items()},
                           str(tmp / OBJECTIVE_STATE))
             if ema_state is not None:  # train.ema (train/ema.py)
-                save_file(ema_state, str(tmp / "ema.safetensors"))
+                save_file(ema_state, str(tmp / EMA_WEIGHTS))
             state = dict(train_state, step=step, saved_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
             (tmp / TRAIN_STATE).write_text(json.dumps(state, indent=2))
     except Exception as e:

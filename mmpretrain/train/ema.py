@@ -23,10 +23,11 @@ from torch import nn
 
 from mmpretrain.config import ConfigError, ExperimentConfig
 from mmpretrain.launch import engine_of
+from mmpretrain.run_files import EMA_WEIGHTS
 
-__all__ = ["EMA", "EMA_FILE", "ema_weights", "make_ema"]
+__all__ = ["EMA", "EMA_FILE", "make_ema"]
 
-EMA_FILE = "ema.safetensors"
+EMA_FILE = EMA_WEIGHTS
 
 
 class EMA:
@@ -77,14 +78,6 @@ class EMA:
             with torch.no_grad():
                 for p, b in zip(self.params, backup):
                     p.copy_(b)
-
-
-def ema_weights(ckpt: Path) -> dict[str, torch.Tensor] | None:
-    """A checkpoint's averaged weights (names as the dual encoder's), or None without them."""
-    from safetensors.torch import load_file
-
-    f = Path(ckpt) / EMA_FILE
-    return load_file(str(f)) if f.is_file() else None
 
 
 def make_ema(cfg: ExperimentConfig, acc, module: nn.Module, ckpt) -> EMA | None:
