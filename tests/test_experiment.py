@@ -144,3 +144,24 @@ def test_curation_corruption_is_a_recorded_derangement_of_a_share_of_the_caption
     with pytest.raises(SystemExit):
         curation.corrupt(openmoji, theirs, 0.3, seed=0)
     assert (theirs / "notes.txt").read_text() == "mine"
+
+
+def test_finetune_experiment_tables_mark_only_differences_beyond_the_seed_bound():
+    """scripts/reports/experiment_finetune.py's tables: mean ± sd over seeds, Δ against full fine-tuning
+    marked * only beyond 2·sqrt(sd_a²/n + sd_b²/n), the WiSE-FT rows per alpha."""
+    from conftest import script
+
+    ft = script("scripts/reports/experiment_finetune.py")
+    keys = list(ft.METRICS)
+
+    def rows(values):
+        return [{"seed": s, "metrics": {k: v for k in keys}, "trained_parameters": 10, "peak_rss_mib": 100.0,
+                 "samples_per_s": 50.0, "wise_ft": {str(a): {k: v + a for k in keys} for a in ft.ALPHAS}}
+                for s, v in enumerate(values)]
+
+    result = {"pretrained": {"metrics": {k: 0.5 for k in keys}}, "methods": {
+        "full": rows([0.50, 0.52, 0.48]), "lora": rows([0.51, 0.49, 0.50]), "locked_image": rows([0.70, 0.71, 0.69])}}
+    text = ft.tables(result)
+    assert "| lora | 0.500 ± 0.010 (+0.000)" in text  # inside the bound: no mark
+    assert "| locked_image | 0.700 ± 0.010 (+0.200*)" in text
+    assert "| 0.5 | 1.000 ± 0.020" in text and text.count("\n| ") >= 10
