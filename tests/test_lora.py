@@ -172,3 +172,24 @@ def test_refusals_are_one_line(openmoji, tmp_path):
     cfg = load_config(CONFIG, ["data.train=unused", "model.lora={towers: [image]}"])
     with pytest.raises(ConfigError, match="model.lora under FSDP: not supported here"):
         apply_lora_note(torch.nn.Linear(2, 2), cfg.model, "FSDP")
+
+
+def test_the_model_card_says_what_was_fine_tuned_from_what_and_how(tmp_path):
+    import yaml
+
+    from mmpretrain.export.card import model_card
+    from mmpretrain.run_files import RunFolder
+
+    files = RunFolder(tmp_path)
+    cfg = {"name": "ft", "model": {"arch": "ViT-B-32", "pretrained": "laion2b_s34b_b79k",
+                                   "lora": {"rank": 16, "alpha": 32.0, "towers": ["image", "text"], "modules": ["mlp"]}},
+           "optim": {"layer_decay": 0.75}, "loss": [{"name": "clip", "weight": 1.0}]}
+    files.config.write_text(yaml.safe_dump(cfg))
+    model_cfg = {"vision_cfg": {"image_size": 224}, "text_cfg": {}}
+    card = model_card(files, model_cfg, None)
+    assert ("- fine-tuned from: `laion2b_s34b_b79k` by LoRA (rank 16, alpha 32, mlp of the image+text tower(s)), "
+            "merged into these weights, layer-wise learning-rate decay 0.75") in card
+    cfg["model"].pop("lora")
+    cfg["model"]["lock_image"] = True
+    files.config.write_text(yaml.safe_dump(cfg))
+    assert "by full fine-tuning of the unlocked towers" in model_card(files, model_cfg, None)

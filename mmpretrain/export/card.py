@@ -59,8 +59,15 @@ def model_card(files: RunFolder, model_cfg: dict, repo_id: str | None, fmt: str 
              f"{resolved.get('global_batch_size')} on {resolved.get('world_size')} process(es)",
              f"- code: git `{prov.get('git_sha')}`; packages: "
              + ", ".join(f"{k} {v}" for k, v in (prov.get("packages") or {}).items() if v), ""]
-    if cfg.get("model", {}).get("pretrained"):
-        lines.insert(-1, f"- fine-tuned from: `{cfg['model']['pretrained']}`")
+    model = cfg.get("model", {})
+    if model.get("pretrained"):
+        lora = model.get("lora")
+        how = (f"LoRA (rank {lora['rank']}, alpha {lora['alpha']:g}, {'+'.join(lora['modules'])} of the "
+               f"{'+'.join(lora['towers'])} tower(s)), merged into these weights" if lora else "full fine-tuning"
+               + (" of the unlocked towers" if model.get("lock_image") or model.get("lock_text") else ""))
+        decay = (cfg.get("optim") or {}).get("layer_decay")
+        lines.insert(-1, f"- fine-tuned from: `{model['pretrained']}` by {how}"
+                     + (f", layer-wise learning-rate decay {decay}" if decay else ""))
     if wise is not None and wise.get("ema"):
         e = cfg.get("train", {}).get("ema") or {}
         lines += ["## Weights", "", f"The exponential moving average of the trained weights (train.ema: decay "
