@@ -53,7 +53,7 @@ def test_bad_interpolations_are_one_line_and_write_nothing(demo_run, tmp_path):
         (["--interpolate", pre_dir, "--alpha", "1.5"], "needs --alpha in [0, 1]"),
         (["--interpolate", pre_dir], "needs --alpha in [0, 1]"),
         (["--alpha", "0.5"], "--alpha needs --interpolate"),
-        (["--interpolate", "--alpha", "0.5"], "trained from scratch (its config.yaml has no model.pretrained)"),
+        (["--interpolate", "--alpha", "0.5"], "trained from scratch or is not a run folder (its config.yaml has no model.pretrained)"),
         (["--interpolate", str(tmp_path / "nowhere"), "--alpha", "0.5"], "neither a file, a folder"),
     ]
     other = tmp_path / "other.safetensors"  # open_clip's tiny ViT with its own text transformer

@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.interpolate is None:
             entries = evaluate_all()
         else:
-            from mmpretrain.eval.wise_ft import pretrained_for, sweep
-            from mmpretrain.export.wise_ft import WiseFTError
+            from mmpretrain.eval.wise_ft import sweep
+            from mmpretrain.export.wise_ft import WiseFTError, pretrained_for
 
             try:
                 spec, arch = pretrained_for(args.model, args.interpolate)

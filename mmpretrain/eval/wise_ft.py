@@ -10,23 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["pretrained_for", "sweep", "plot_curve"]
-
-
-def pretrained_for(model: str, spec: str) -> tuple[str, str | None]:
-    """(the weights to interpolate with, the architecture for an open_clip tag): ``spec == "run"`` is the
-    run folder's own ``model.pretrained``."""
-    import yaml
-
-    cfg_file = Path(model.removeprefix("local-dir:")) / "config.yaml"
-    cfg = yaml.safe_load(cfg_file.read_text()) if cfg_file.is_file() else {}
-    m = (cfg or {}).get("model") or {}
-    if spec == "run":
-        if not m.get("pretrained"):
-            raise ValueError(f"--interpolate: --model {model} was trained from scratch or is not a run folder (no "
-                             "model.pretrained in its config.yaml); give the weights: --interpolate PRETRAINED")
-        spec = m["pretrained"]
-    return spec, m.get("arch")
+__all__ = ["sweep", "plot_curve"]
 
 
 def sweep(model, alphas: list[float], pretrained: str, arch: str | None, evaluate_all) -> list[dict[str, Any]]:

@@ -119,19 +119,11 @@ def export(run_dir: str | Path, out: str | Path, *, fmt: str = "open_clip", towe
 
 def _interpolate(files: RunFolder, clip, spec: str, alpha: float) -> dict:
     """Load ``spec``'s weights into ``clip`` interpolated with the run's at ``alpha``; what the card says."""
-    import yaml
+    from mmpretrain.export.wise_ft import WiseFTError, interpolate, pretrained_for, pretrained_state
 
-    from mmpretrain.export.wise_ft import WiseFTError, interpolate, pretrained_state
-
-    cfg = yaml.safe_load(files.config.read_text()) if files.config.is_file() else {}
-    model = cfg.get("model") or {}
-    if spec == "run":
-        spec = model.get("pretrained")
-        if not spec:
-            raise ExportError(f"--interpolate: {files.root} was trained from scratch (its config.yaml has no "
-                              "model.pretrained); give the weights to interpolate with: --interpolate PRETRAINED")
     try:
-        state = interpolate(clip.state_dict(), pretrained_state(spec, model.get("arch")), alpha, what=spec)
+        spec, arch = pretrained_for(str(files.root), spec)
+        state = interpolate(clip.state_dict(), pretrained_state(spec, arch), alpha, what=spec)
     except (WiseFTError, FileNotFoundError, OSError) as e:
         raise ExportError(str(e)) from None
     clip.load_state_dict(state, strict=True)

@@ -10,11 +10,27 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["WiseFTError", "interpolate", "pretrained_state"]
+__all__ = ["WiseFTError", "interpolate", "pretrained_for", "pretrained_state"]
 
 
 class WiseFTError(ValueError):
     pass
+
+
+def pretrained_for(model: str, spec: str) -> tuple[str, str | None]:
+    """(the weights to interpolate with, the architecture for an open_clip tag): ``spec == "run"`` is the
+    run folder's own ``model.pretrained``."""
+    import yaml
+
+    cfg_file = Path(model.removeprefix("local-dir:")) / "config.yaml"
+    cfg = yaml.safe_load(cfg_file.read_text()) if cfg_file.is_file() else {}
+    m = (cfg or {}).get("model") or {}
+    if spec == "run":
+        if not m.get("pretrained"):
+            raise WiseFTError(f"--interpolate: {model} was trained from scratch or is not a run folder (its "
+                              "config.yaml has no model.pretrained); give the weights: --interpolate PRETRAINED")
+        spec = m["pretrained"]
+    return spec, m.get("arch")
 
 
 def pretrained_state(spec: str, arch: str | None) -> dict[str, torch.Tensor]:
