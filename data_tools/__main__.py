@@ -23,6 +23,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--extra-captions-column", default=None, metavar="COLUMN",
                    help="table/HF column with more captions per image (a list, or a JSON array in TSV/CSV): kept as "
                    "'captions' in each sample's json; training draws one caption per epoch (data.captions)")
+    b.add_argument("--negative-captions-column", default=None, metavar="COLUMN",
+                   help="table/HF column with hard-negative captions per image (as --extra-captions-column): kept as "
+                   "'negative_captions' in each sample's json, for objective.options.hard_negatives")
     b.add_argument("--key-column", default=None, help="table column with sample keys (default: the row number)")
     b.add_argument("--base-dir", default=None, help="folder that table image paths are relative to (default: the table's)")
     b.add_argument("--captions", default=None, help="image folder: captions file (TSV/CSV file,caption or JSON)")
@@ -103,6 +106,14 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--cap", type=int, default=None, metavar="N", help="--balance: samples kept per entry")
     f.add_argument("--entries", default=None, metavar="FILE", help="--balance entries: one entry a line")
 
+    n = sub.add_parser("negatives", help="rule-based hard-negative captions (swap two content words, replace one with "
+                       "another caption's word) into each sample's json as 'negative_captions', in a copy of the shards")
+    n.add_argument("dir", help="dataset folder (sizes.json + shards)")
+    n.add_argument("--out", required=True, help="folder for the copy with negatives")
+    n.add_argument("--rules", nargs="+", default=["swap", "replace"], help="swap and/or replace (default: both)")
+    n.add_argument("--seed", type=int, default=0, help="seeds every draw with the sample key (default 0)")
+    n.add_argument("--overwrite", action="store_true", help="replace a dataset an earlier command wrote to --out")
+
     v = sub.add_parser("verify", help="read every sample back and check it against sizes.json and the manifest")
     v.add_argument("dir")
     v.add_argument("--embeddings", default=None, help="embedding folder (embed --out); default: beside the shards")
@@ -164,7 +175,8 @@ def _run(args) -> int:
                         caption_column=args.caption_column, key_column=args.key_column, base_dir=args.base_dir,
                         captions=args.captions, workers=args.workers, shard_bytes=args.shard_bytes,
                         quality=args.quality, max_pixels=args.max_pixels, second_style=args.second_style,
-                        extra_captions_column=args.extra_captions_column)
+                        extra_captions_column=args.extra_captions_column,
+                        negative_captions_column=args.negative_captions_column)
         print(json.dumps(summary, indent=2))
         return 0
     if args.cmd == "embed":
@@ -188,6 +200,12 @@ def _run(args) -> int:
         return 0
     if args.cmd == "filter":
         return _filter(args)
+    if args.cmd == "negatives":
+        from data_tools.negatives import negatives
+
+        print(json.dumps(negatives(args.dir, args.out, rules=tuple(args.rules), seed=args.seed,
+                                   overwrite=args.overwrite), indent=2))
+        return 0
     if args.cmd == "verify":
         from data_tools.inspect import FATAL, verify
 

@@ -225,7 +225,7 @@ def build(source: str, out: str | Path, *, image_size: int, shard_size: int, lim
           image_column: str | None = None, caption_column: str | None = None, key_column: str | None = None,
           base_dir: str | None = None, captions: str | None = None, workers: int = 1, shard_bytes: float = 1e9,
           quality: int = 95, max_pixels: int = 64_000_000, second_style: str | None = None,
-          extra_captions_column: str | None = None) -> dict:
+          extra_captions_column: str | None = None, negative_captions_column: str | None = None) -> dict:
     """Build ``out`` from ``source``. Demo sources write ``out/train`` and ``out/test``; other sources
     write one dataset folder ``out``. Re-running an interrupted build of the same source resumes it."""
     from data_tools.parallel import build_parallel
@@ -249,7 +249,7 @@ def build(source: str, out: str | Path, *, image_size: int, shard_size: int, lim
     try:
         src = open_source(source, source_type, image_column=image_column, caption_column=caption_column,
                           base_dir=base_dir, key_column=key_column, captions=captions,
-                          extra_column=extra_captions_column)
+                          extra_column=extra_captions_column, negative_column=negative_captions_column)
     except SourceError as e:
         raise BuildError(str(e)) from None
     if limit is not None and hasattr(src, "files"):
@@ -260,7 +260,9 @@ def build(source: str, out: str | Path, *, image_size: int, shard_size: int, lim
                 "options": dict(opts, shard_size=shard_size, image_column=image_column,
                                 caption_column=caption_column, key_column=key_column, base_dir=base_dir,
                                 limit=limit, **({"extra_captions_column": extra_captions_column}
-                                                if extra_captions_column else {}))}
+                                                if extra_captions_column else {}),
+                                **({"negative_captions_column": negative_captions_column}
+                                   if negative_captions_column else {}))}
     _claim_out(out, manifest, overwrite)
     return build_parallel(src, out, prefix=out.resolve().name or "shard", shard_size=shard_size,
                           workers=workers, opts=opts, manifest=manifest)

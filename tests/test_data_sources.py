@@ -237,27 +237,34 @@ def test_build_and_embed_on_two_ranks(tmp_path, emoji_images, demo_run):
 
 def test_a_caption_list_column_becomes_the_samples_extra_captions(tmp_path, emoji_images):
     """--extra-captions-column: a list column (parquet, HF) or a JSON array (CSV) lands as 'captions' in
-    each sample's json (caption 0 stays in txt); a cell that is not a list of strings is a counted skip."""
+    each sample's json (caption 0 stays in txt); --negative-captions-column the same as
+    'negative_captions', kept apart; a cell that is not a list of strings is a counted skip."""
     import datasets
     import pandas as pd
 
     extra = [[f"{c} drawn", f"an icon: {c}"] if i % 3 else [] for i, (_, c) in enumerate(emoji_images)]
+    negs = [[f"not {c}"] if i % 2 else [] for i, (_, c) in enumerate(emoji_images)]
     paths, caps = [str(p) for p, _ in emoji_images], [c for _, c in emoji_images]
-    pd.DataFrame({"image": paths, "caption": caps, "more": extra}).to_parquet(tmp_path / "t.parquet")
-    cells = [json.dumps(e) for e in extra]
+    pd.DataFrame({"image": paths, "caption": caps, "more": extra, "neg": negs}).to_parquet(tmp_path / "t.parquet")
+    cells, neg_cells = [json.dumps(e) for e in extra], [json.dumps(n) for n in negs]
     cells[1] = "not json"
-    pd.DataFrame({"image": paths, "caption": caps, "more": cells}).to_csv(tmp_path / "t.csv", index=False)
-    ds = datasets.Dataset.from_dict({"image": paths, "text": caps, "more": extra}).cast_column("image", datasets.Image())
+    neg_cells[3] = "[1, 2]"
+    pd.DataFrame({"image": paths, "caption": caps, "more": cells, "neg": neg_cells}).to_csv(tmp_path / "t.csv",
+                                                                                           index=False)
+    ds = datasets.Dataset.from_dict({"image": paths, "text": caps, "more": extra, "neg": negs}).cast_column(
+        "image", datasets.Image())
     ds.save_to_disk(str(tmp_path / "hfds"))
-    for name, skipped in (("t.parquet", {}), ("t.csv", {"bad_extra_captions": 1}), ("hfds", {})):
+    for name, skipped in (("t.parquet", {}), ("t.csv", {"bad_extra_captions": 1, "bad_negative_captions": 1}),
+                          ("hfds", {})):
         out = tmp_path / f"out_{name}"
-        res = build(str(tmp_path / name), out, extra_captions_column="more", **KW)
+        res = build(str(tmp_path / name), out, extra_captions_column="more", negative_captions_column="neg", **KW)
         assert res["skipped"] == skipped, name
         sizes = json.loads((out / "sizes.json").read_text())
-        got = {int(json.loads(s["json"])["source_row"]): (s["txt"].decode(), json.loads(s["json"]).get("captions"))
+        got = {int(json.loads(s["json"])["source_row"]): (s["txt"].decode(), json.loads(s["json"]).get("captions"),
+                                                          json.loads(s["json"]).get("negative_captions"))
                for n in sizes for s in read_tar(out / n)}
-        for i, (cap, more) in got.items():
-            assert cap == caps[i] and more == (extra[i] or None), (name, i)
+        for i, (cap, more, neg) in got.items():
+            assert cap == caps[i] and more == (extra[i] or None) and neg == (negs[i] or None), (name, i)
         assert len(got) == 20 - sum(skipped.values())
     with pytest.raises(BuildError, match="more2"):
         build(str(tmp_path / "t.csv"), tmp_path / "x", extra_captions_column="more2", **KW)

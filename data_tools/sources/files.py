@@ -12,7 +12,6 @@ import json
 import re
 from pathlib import Path
 
-from data_tools.images import BadImage
 from data_tools.sources.hf import HFSource
 from data_tools.sources.img2dataset import Img2DatasetSource
 from data_tools.sources.records import (
@@ -20,8 +19,8 @@ from data_tools.sources.records import (
     RangeSource,
     Record,
     SourceError,
+    caption_lists,
     clean_key,
-    extra_captions,
     read_source_file,
 )
 
@@ -42,20 +41,21 @@ class TableSource(RangeSource):
     kind = "table"
 
     def __init__(self, path: str | Path, image_column: str, caption_column: str, base_dir: str | None,
-                 key_column: str | None = None, extra_column: str | None = None):
+                 key_column: str | None = None, extra_column: str | None = None, negative_column: str | None = None):
         self.path = Path(path)
         if not self.path.is_file():
             raise SourceError(f"{self.path}: no such table file")
         self.image_column, self.caption_column, self.key_column = image_column, caption_column, key_column
-        self.extra_column = extra_column
+        self.extra_column, self.negative_column = extra_column, negative_column
         self.base_dir = Path(base_dir) if base_dir else self.path.parent
         self._df = None
         df = self._table()
-        missing = [c for c in (image_column, caption_column, key_column, extra_column) if c and c not in df.columns]
+        missing = [c for c in (image_column, caption_column, key_column, extra_column, negative_column)
+                   if c and c not in df.columns]
         if missing:
             raise SourceError(
-                f"{self.path}: column(s) {missing} not found; columns are {list(df.columns)} "
-                "(choose with --image-column / --caption-column / --key-column / --extra-captions-column)"
+                f"{self.path}: column(s) {missing} not found; columns are {list(df.columns)} (choose with "
+                "--image-column / --caption-column / --key-column / --extra-captions-column / --negative-captions-column)"
             )
         first = next((str(v) for v in df.data[image_column][:20] if v), "")
         if re.match(r"^[a-z]+://", first):
@@ -72,7 +72,7 @@ class TableSource(RangeSource):
                     import pyarrow.parquet as pq
 
                     t = pq.read_table(self.path)
-                    self._df = _Table(t.column_names, {c: t.column(c).to_pylist() if c == self.extra_column else
+                    self._df = _Table(t.column_names, {c: t.column(c).to_pylist() if c in (self.extra_column, self.negative_column) else
                                                        [None if v is None else str(v) if not isinstance(v, bytes)
                                                         else v for v in t.column(c).to_pylist()]
                                                        for c in t.column_names})
@@ -120,12 +120,10 @@ class TableSource(RangeSource):
         rel = data[self.image_column][i] or ""
         caption = data[self.caption_column][i]
         meta = {"source_row": i, "image_path": rel}
-        if self.extra_column:
-            try:
-                if extra := extra_captions(data[self.extra_column][i]):
-                    meta["captions"] = extra
-            except BadImage as e:
-                return Record(key, caption=caption, meta=meta, error=e.reason)
+        bad = caption_lists(meta, {c: data[c][i] for c in (self.extra_column, self.negative_column) if c},
+                            {"captions": self.extra_column, "negative_captions": self.negative_column})
+        if bad:
+            return Record(key, caption=caption, meta=meta, error=bad)
         if not rel:
             return Record(key, caption=caption, meta=meta, error=MISSING_IMAGE)
         data, error = read_source_file(rel, self.base_dir)
@@ -204,18 +202,21 @@ def detect(source: str, source_type: str | None) -> str:
 
 
 def open_source(source: str, source_type: str | None, *, image_column: str | None, caption_column: str | None,
-                base_dir: str | None, key_column: str | None, captions: str | None, extra_column: str | None = None):
+                base_dir: str | None, key_column: str | None, captions: str | None, extra_column: str | None = None,
+                negative_column: str | None = None):
     kind = detect(source, source_type)
-    if extra_column and kind not in ("table", "hf"):
-        raise SourceError(f"--extra-captions-column is for tables and HF datasets; {source} is a {kind} source "
-                          "(give the extra captions as 'captions' in each sample's json)")
+    for flag, column, fieldname in (("--extra-captions-column", extra_column, "captions"),
+                                    ("--negative-captions-column", negative_column, "negative_captions")):
+        if column and kind not in ("table", "hf"):
+            raise SourceError(f"{flag} is for tables and HF datasets; {source} is a {kind} source "
+                              f"(give them as '{fieldname}' in each sample's json)")
     if kind == "table":
         return TableSource(source, image_column or "image", caption_column or "caption", base_dir, key_column,
-                           extra_column)
+                           extra_column, negative_column)
     if kind == "folder":
         return FolderSource(source, captions)
     if kind == "img2dataset":
         return Img2DatasetSource(source)
     if kind == "hf":
-        return HFSource(source, image_column or "image", caption_column or "text", extra_column)
+        return HFSource(source, image_column or "image", caption_column or "text", extra_column, negative_column)
     raise SourceError(f"--source-type {kind!r}: choose table, folder, img2dataset, hf or demo")

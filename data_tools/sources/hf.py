@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from data_tools.images import BadImage
 from data_tools.sources.records import (
     MISSING_FILE,
     RangeSource,
     Record,
     SourceError,
-    extra_captions,
+    caption_lists,
     read_source_file,
 )
 
@@ -18,15 +17,17 @@ class HFSource(RangeSource):
 
     kind = "hf"
 
-    def __init__(self, spec: str, image_column: str, caption_column: str, extra_column: str | None = None):
+    def __init__(self, spec: str, image_column: str, caption_column: str, extra_column: str | None = None,
+                 negative_column: str | None = None):
         self.spec, self.image_column, self.caption_column = spec, image_column, caption_column
-        self.extra_column = extra_column
+        self.extra_column, self.negative_column = extra_column, negative_column
         self._ds = None
         ds = self._dataset()
-        missing = [c for c in (image_column, caption_column, extra_column) if c and c not in ds.column_names]
+        missing = [c for c in (image_column, caption_column, extra_column, negative_column)
+                   if c and c not in ds.column_names]
         if missing:
-            raise SourceError(f"{spec}: column(s) {missing} not found; columns are {ds.column_names} "
-                              "(choose with --image-column / --caption-column / --extra-captions-column)")
+            raise SourceError(f"{spec}: column(s) {missing} not found; columns are {ds.column_names} (choose with "
+                              "--image-column / --caption-column / --extra-captions-column / --negative-captions-column)")
 
     def _dataset(self):
         if self._ds is None:
@@ -71,11 +72,8 @@ class HFSource(RangeSource):
         elif isinstance(img, str):
             data, error = read_source_file(img)
         meta = {"source_row": i}
-        if self.extra_column:
-            try:
-                if extra := extra_captions(row[self.extra_column]):
-                    meta["captions"] = extra
-            except BadImage as e:
-                return Record(f"{i:09d}", caption=row[self.caption_column], meta=meta, error=e.reason)
+        bad = caption_lists(meta, row, {"captions": self.extra_column, "negative_captions": self.negative_column})
+        if bad:
+            return Record(f"{i:09d}", caption=row[self.caption_column], meta=meta, error=bad)
         return Record(f"{i:09d}", image=data, caption=row[self.caption_column], meta=meta,
                       error=error or (MISSING_FILE if data is None else None))

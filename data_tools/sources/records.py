@@ -32,6 +32,7 @@ NOT_A_REGULAR_FILE = "not_a_regular_file"
 FILE_TOO_LARGE = "file_too_large"
 CAPTION_TOO_LONG = "caption_too_long"
 BAD_EXTRA_CAPTIONS = "bad_extra_captions"
+BAD_NEGATIVE_CAPTIONS = "bad_negative_captions"
 
 # a caption past this is page text, not a caption (the text towers read 77 tokens, ~300 characters)
 MAX_CAPTION_CHARS = 16_384
@@ -68,9 +69,26 @@ def decode_caption(caption: str | bytes | None) -> str:
     return caption
 
 
-def extra_captions(value: Any) -> list[str]:
-    """A caption-list cell (``--extra-captions-column``): a list of strings (parquet, HF ``Sequence``) or
-    a JSON array of strings (TSV/CSV); empty or missing: []. Raises BadImage(BAD_EXTRA_CAPTIONS)."""
+def caption_lists(meta: dict[str, Any], row: Any, columns: dict[str, str | None]) -> str | None:
+    """Each ``{json field: column}`` list column of ``row`` (``row[column]``) into ``meta`` (``captions``:
+    ``--extra-captions-column``, ``negative_captions``: ``--negative-captions-column``); the skip reason
+    of a cell that is not a list of captions, else None."""
+    for fieldname, column in columns.items():
+        if not column:
+            continue
+        reason = BAD_NEGATIVE_CAPTIONS if fieldname == "negative_captions" else BAD_EXTRA_CAPTIONS
+        try:
+            if values := extra_captions(row[column], reason):
+                meta[fieldname] = values
+        except BadImage as e:
+            return e.reason
+    return None
+
+
+def extra_captions(value: Any, reason: str = BAD_EXTRA_CAPTIONS) -> list[str]:
+    """A caption-list cell (``--extra-captions-column``, ``--negative-captions-column``): a list of strings
+    (parquet, HF ``Sequence``) or a JSON array of strings (TSV/CSV); empty or missing: []. Raises
+    BadImage(``reason``)."""
     import json
 
     if value is None or (isinstance(value, str) and not value.strip()):
@@ -79,10 +97,13 @@ def extra_captions(value: Any) -> list[str]:
         try:
             value = json.loads(value)
         except ValueError:
-            raise BadImage(BAD_EXTRA_CAPTIONS, "not a JSON array of strings") from None
+            raise BadImage(reason, "not a JSON array of strings") from None
     if not isinstance(value, (list, tuple)) or not all(isinstance(c, str) for c in value):
-        raise BadImage(BAD_EXTRA_CAPTIONS, "not a list of strings")
-    return [decode_caption(c) for c in value]
+        raise BadImage(reason, "not a list of strings")
+    try:
+        return [decode_caption(c) for c in value]
+    except BadImage:
+        raise BadImage(reason, "a caption in the list is empty, not UTF-8 or too long") from None
 
 
 def decode_image(data: bytes | Image.Image | None, max_pixels: int) -> Image.Image:

@@ -116,6 +116,23 @@ def caption_pool(raw: dict[str, Any]) -> tuple[list[str], list[float] | None]:
     return [c.strip() for c in extra], weights
 
 
+def negative_pool(raw: dict[str, Any]) -> list[str]:
+    """A sample's hard-negative captions (``negative_captions`` in its ``json``); [] without them. Raises
+    :class:`SkipSample` ``bad_negative_captions`` for a field that is not a list of non-empty strings."""
+    if "json" not in raw:
+        return []
+    try:
+        meta = json.loads(raw["json"])
+    except (ValueError, UnicodeDecodeError):
+        return []
+    negs = meta.get("negative_captions") if isinstance(meta, dict) else None
+    if negs is None:
+        return []
+    if not isinstance(negs, list) or not all(isinstance(c, str) and c.strip() for c in negs):
+        raise SkipSample("bad_negative_captions")
+    return [c.strip() for c in negs]
+
+
 def draw_caption(n: int, weights: list[float] | None, seed: int, epoch: int, key: str) -> int:
     """Which of a sample's ``n`` captions this epoch trains on: seeded by (seed, epoch, key) only, so a
     resumed or re-sharded run draws the same one (uniform, or by ``weights``)."""
@@ -142,8 +159,10 @@ class SampleDecoder:
 
     def __init__(self, transform, embeddings: str = "optional", draft_size: int | None = None, labels: bool = False,
                  embedding_dim: int | None = None, max_pixels: int | None = 64_000_000, captions: str = "sample",
-                 device_decode: bool = False, teacher: bool = False):
+                 device_decode: bool = False, teacher: bool = False, negatives: bool = False):
         self.transform = transform
+        # objectives with hard_negatives: one of the sample's negative_captions per epoch (None: it has none)
+        self.negatives = negatives
         # objectives that distill from stored teacher rows: the crop is the teacher's, replayed (teacher.py)
         self.teacher = teacher
         # data.decode=device: a JPEG the device decoder takes leaves as its bytes + crop box (device_decode.py)
@@ -173,6 +192,11 @@ class SampleDecoder:
         pick = draw_caption(len(extra) + 1, weights, seed, epoch, raw["__key__"]) if extra else 0
         if pick:
             caption = extra[pick - 1]
+        negative = None
+        if self.negatives and (negs := negative_pool(raw)):
+            negative = negs[draw_caption(len(negs), None, seed, epoch, raw["__key__"] + "/negative")]
+        if self.negatives:
+            raw = {**raw, "__negative__": negative}  # read by _item (a copy: the reader's raw is not changed)
         emb = None
         if self.embeddings != "ignore":
             rows = raw.get("__emb_extra__")
@@ -270,6 +294,8 @@ class SampleDecoder:
 
     def _item(self, raw: dict[str, Any], caption: str, emb, image: torch.Tensor | None) -> dict[str, Any]:
         out: dict[str, Any] = {"text": caption, "key": raw["__key__"]}
+        if self.negatives:
+            out["negative"] = raw.get("__negative__")
         if image is not None:  # None: a JPEG the device decodes (its bytes and box travel instead)
             out["image"] = image
         if emb is not None:

@@ -117,6 +117,11 @@ def collate(items: list[dict[str, Any]], tokenizer=None) -> dict[str, Any]:
         batch["images"] = _stack(images)
     if tokenizer is not None:
         batch["tokens"] = tokenizer(batch["texts"])
+    if "negative" in items[0]:  # hard_negatives: one negative caption per sample, "" (masked) where it has none
+        negs = [it["negative"] for it in items]
+        batch["negative_mask"] = torch.tensor([n is not None for n in negs], dtype=torch.bool)
+        if tokenizer is not None:
+            batch["negative_tokens"] = tokenizer([n or "" for n in negs])
     if all("emb" in it for it in items):
         batch["target_embeddings"] = _stack([it["emb"] for it in items])
     if all("teacher_image" in it for it in items):  # stored teacher rows (mmpretrain.data.teacher)

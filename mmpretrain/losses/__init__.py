@@ -51,6 +51,7 @@ class WeightedObjective(nn.Module):
 
     needs_targets = _any_term("needs_targets")
     needs_labels = _any_term("needs_labels")
+    needs_negatives = _any_term("needs_negatives")
     needs_teacher = _any_term("needs_teacher")
     needs_sample_index = _any_term("needs_sample_index")
     needs_index_size = _any_term("needs_index_size")

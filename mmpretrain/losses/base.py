@@ -10,6 +10,9 @@ its forward reads beyond the features, and the trainer provides exactly that:
   embed --image-model``; an ensemble's members side by side) and ``teacher_dims``, each member's width;
   the stream then replays the teacher's stored crops instead of drawing new ones;
 - ``needs_labels``: ``labels (B,)``, class indices from the shards (``-1`` unknown);
+- ``needs_negatives``: ``negative_text_features (B, D)``, the text tower's features of one hard-negative
+  caption per sample (``negative_captions`` in its json, drawn per epoch), and ``negative_mask (B,)``,
+  which samples have one (an option of ``clip`` and ``sigmoid``: ``hard_negatives``);
 - ``needs_sample_index``: ``sample_index (B,)``, each sample's global index in the dataset (stable
   under resume, rank count and resampling; a resampled batch can hold one index twice);
 - ``needs_dataset_size``: the constructor is given ``dataset_size`` (samples per epoch) unless its
@@ -51,6 +54,7 @@ class Objective(nn.Module):
     init_logit_bias: float | None = None
     needs_targets: bool = False
     needs_labels: bool = False
+    needs_negatives: bool = False
     needs_teacher: bool = False
     needs_sample_index: bool = False
     needs_dataset_size: bool = False

@@ -4,6 +4,16 @@ Supervision", Eq. in Fig. 3):
     L = 1/2 [ CE(s X Y^T, arange(N)) + CE(s Y X^T, arange(N)) ]
 
 with ``X (N, D)`` image and ``Y (N, D)`` text features, L2-normalised, ``s`` the exponentiated scale.
+
+``hard_negatives`` (NegCLIP: Yuksekgonul et al., ICLR 2023, "When and why vision-language models behave
+like bags-of-words"): each sample's negative caption ``N_j`` (``negative_captions`` in its json; one
+drawn per epoch) joins the image->text softmax as an extra column for every image of the global batch,
+as NegCLIP's training code concatenates the batch's negatives after its captions; the text->image term
+keeps the positive captions only:
+
+    L = 1/2 [ CE(s X [Y; N_valid]^T, arange(N)) + CE(s Y X^T, arange(N)) ]
+
+A sample without negatives adds no column (its image still sees every other sample's).
 """
 
 from __future__ import annotations
@@ -13,7 +23,7 @@ import torch.nn.functional as F
 
 from mmpretrain.losses.base import Objective
 from mmpretrain.losses.distributed import gather_no_grad, gather_with_grad, scale_grad
-from mmpretrain.losses.tiled import pair_ce
+from mmpretrain.losses.tiled import MASKED, pair_ce
 
 
 class ClipLoss(Objective):
@@ -26,6 +36,8 @@ class ClipLoss(Objective):
     other ranks' columns would carry no gradient, open_clip #616/#894) and is rejected.
     ``chunk_size``: tiled log-sum-exp over ``chunk x chunk`` tiles recomputed in backward; no
     ``B x B`` logits are ever held (the global form gets both directions from one pass).
+    ``hard_negatives``: the NegCLIP columns above; the trainer then provides ``negative_text_features
+    (B, D)`` and ``negative_mask (B,)`` (which samples have one).
     """
 
     name = "clip"
@@ -40,8 +52,12 @@ class ClipLoss(Objective):
         rank: int = 0,
         world_size: int = 1,
         chunk_size: int | None = None,
+        hard_negatives: bool = False,
     ):
         super().__init__(rank=rank, world_size=world_size, chunk_size=chunk_size)
+        if not isinstance(hard_negatives, bool):
+            raise ValueError(f"hard_negatives must be true or false, not {hard_negatives!r}")
+        self.needs_negatives = hard_negatives
         if local_loss and not gather_with_grad:
             raise ValueError(
                 "local_loss=true needs gather_with_grad=true: without it the gradient of other ranks' "
@@ -52,7 +68,8 @@ class ClipLoss(Objective):
 
     def largest_matrix(self, batch: int) -> int:
         gathered = batch * self.world_size
-        return self.tiles(batch if self.local_loss else gathered, gathered)
+        cols = 2 * gathered if self.needs_negatives else gathered  # the captions, then the negatives
+        return self.tiles(batch if self.local_loss else gathered, cols)
 
     def forward(
         self,
@@ -62,46 +79,60 @@ class ClipLoss(Objective):
         logit_scale: torch.Tensor | float,
         logit_bias: torch.Tensor | None = None,
         target_embeddings: torch.Tensor | None = None,
+        negative_text_features: torch.Tensor | None = None,
+        negative_mask: torch.Tensor | None = None,
         **extra,
     ) -> dict[str, torch.Tensor]:
-        """``image_features (B, D)``, ``text_features (B, D)`` local to this rank, normalised."""
+        """``image_features (B, D)``, ``text_features (B, D)`` local to this rank, normalised; with
+        ``hard_negatives``, ``negative_text_features (B, D)`` and ``negative_mask (B,)`` too."""
         b = image_features.shape[0]
+        negatives = self.needs_negatives
+        if negatives and (negative_text_features is None or negative_mask is None):
+            raise ValueError("clip with hard_negatives needs negative_text_features and negative_mask")
         if not self.gather_with_grad and self.world_size > 1:
             # Each rank back-propagates only into its own slice of the features, which DDP's 1/world
             # averaging would shrink: scale that slice's gradient back up. The scale's (and bias's)
             # gradient is already the whole batch's on every rank and stays as it is.
             image_features = scale_grad(image_features, float(self.world_size))
             text_features = scale_grad(text_features, float(self.world_size))
-        if self.gather_with_grad or self.world_size == 1:
-            all_img = gather_with_grad(image_features, self.world_size)
-            all_txt = gather_with_grad(text_features, self.world_size)
-        else:
-            all_img = _gather_keep_local(image_features, self.rank, self.world_size)
-            all_txt = _gather_keep_local(text_features, self.rank, self.world_size)
+            if negatives:
+                negative_text_features = scale_grad(negative_text_features, float(self.world_size))
+        gather = (lambda x: gather_with_grad(x, self.world_size)) if self.gather_with_grad or self.world_size == 1 \
+            else (lambda x: _gather_keep_local(x, self.rank, self.world_size))
+        all_img, all_txt = gather(image_features), gather(text_features)
+        cols, col_bias = all_txt, None
+        if negatives:  # the batch's negatives after its captions; a sample without one adds no column
+            mask = gather_no_grad(negative_mask.to(device=all_txt.device, dtype=torch.float32), self.world_size)
+            cols = torch.cat([all_txt, gather(negative_text_features.to(all_txt.dtype))])
+            col_bias = torch.cat([torch.zeros_like(mask), (1 - mask) * MASKED])
         if self.chunk_size is not None:
-            loss = self._tiled(image_features, text_features, all_img, all_txt, logit_scale)
+            loss = self._tiled(image_features, text_features, all_img, all_txt, cols, col_bias, logit_scale)
         elif self.local_loss:
-            logits_i = logit_scale * image_features @ all_txt.T
+            logits_i = logit_scale * image_features @ cols.T
             logits_t = logit_scale * text_features @ all_img.T
             labels = torch.arange(b, device=image_features.device) + self.rank * b
         else:
-            logits_i = logit_scale * all_img @ all_txt.T
-            logits_t = logits_i.T
+            logits_i = logit_scale * all_img @ cols.T
+            logits_t = logits_i[:, :all_txt.shape[0]].T  # the captions' columns (before any negatives)
             labels = torch.arange(all_img.shape[0], device=image_features.device)
+        if self.chunk_size is None and col_bias is not None:
+            logits_i = logits_i + col_bias.to(logits_i.dtype)
         if self.chunk_size is None:
             # a logit bias shifts every logit of a row equally: cross-entropy ignores it
             loss = 0.5 * (F.cross_entropy(logits_i, labels) + F.cross_entropy(logits_t, labels))
         return {"clip_loss": loss}
 
-    def _tiled(self, x, y, all_x, all_y, scale):
+    def _tiled(self, x, y, all_x, all_y, cols, col_bias, scale):
         """CE = LSE - positive logit, with the LSEs from column tiles (never B x B)."""
         scale = torch.as_tensor(scale, device=x.device)  # pair_ce runs in at least fp32
         if self.local_loss:
             offset = self.rank * x.shape[0]
-            row_i, _ = pair_ce(x, all_y, scale, self.chunk_size, offset)
+            row_i, _ = pair_ce(x, cols, scale, self.chunk_size, offset, col_bias=col_bias)
             row_t, _ = pair_ce(y, all_x, scale, self.chunk_size, offset)
         else:
-            row_i, row_t = pair_ce(all_x, all_y, scale, self.chunk_size, 0, want_col=True)
+            # the column statistics of the captions are the text->image term; a negative's are not used
+            row_i, col = pair_ce(all_x, cols, scale, self.chunk_size, 0, want_col=True, col_bias=col_bias)
+            row_t = col[:all_y.shape[0]]
         return 0.5 * (row_i.mean() + row_t.mean())
 
 

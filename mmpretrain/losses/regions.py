@@ -149,6 +149,10 @@ class RegionLoss(Objective):
         if queue_size and base != "clip":
             raise ValueError(f"regions: queue_size needs base=clip (the queue adds InfoNCE negatives), got base={base!r}")
         base_options = dict(base_options or {})
+        if base_options.get("hard_negatives"):
+            raise ValueError("regions: base_options.hard_negatives is not offered inside the region wrapper (its "
+                             "region terms see subsets of the batch); add the base objective with hard_negatives "
+                             "as its own loss term beside regions")
         self.base = base
         self.global_term = OBJECTIVES[base](rank=rank, world_size=world_size, chunk_size=chunk_size, **base_options)
         local_options = {k: v for k, v in base_options.items() if k not in ("local_loss", "gather_with_grad")}

@@ -21,6 +21,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# a column bias that leaves a column out: exp(-1e4 + s * dot) is exactly 0 in fp32 and fp64 for any
+# |s * dot| <= 100 (the clamped scale), so it adds nothing to a log-sum-exp, a softplus or a gradient;
+# finite, so no inf - inf appears where a column's own statistics are formed
+MASKED = -1e4
+
 
 def _full(*tensors):
     """Each tensor in at least fp32 (a float64 input stays float64)."""
@@ -56,13 +61,15 @@ class _PairCE(torch.autograd.Function):
     backward, so the only buffers besides one tile are the gradients themselves."""
 
     @staticmethod
-    def forward(ctx, a, b, scale, chunk: int, offset: int, want_col: bool):
+    def forward(ctx, a, b, scale, chunk: int, offset: int, want_col: bool, col_bias=None):
         n, m = a.shape[0], b.shape[0]
         row = a.new_full((n,), float("-inf"))
         col = a.new_full((m,), float("-inf")) if want_col else a.new_empty(0)
         for i0, i1 in _tiles(n, chunk):
             for j0, j1 in _tiles(m, chunk):
                 z = (a[i0:i1] @ b[j0:j1].T).mul_(scale)
+                if col_bias is not None:
+                    z += col_bias[None, j0:j1]
                 row[i0:i1] = torch.logaddexp(row[i0:i1], torch.logsumexp(z, 1))
                 if want_col:
                     col[j0:j1] = torch.logaddexp(col[j0:j1], torch.logsumexp(z, 0))
@@ -71,7 +78,7 @@ class _PairCE(torch.autograd.Function):
         row[lo:hi] -= pos
         if want_col:
             col[lo + offset:hi + offset] -= pos
-        ctx.save_for_backward(a, b, scale, row + 0, col + 0, pos)
+        ctx.save_for_backward(a, b, scale, row + 0, col + 0, pos, col_bias)
         ctx.chunk, ctx.offset, ctx.want_col = chunk, offset, want_col
         return row, col
 
@@ -82,7 +89,7 @@ class _PairCE(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, g_row, g_col):
-        a, b, scale, row, col, pos = ctx.saved_tensors
+        a, b, scale, row, col, pos, col_bias = ctx.saved_tensors
         n, m, off = a.shape[0], b.shape[0], ctx.offset
         lo, hi = _diag(n, m, off)
         # the saved statistics hold CE = LSE - pos; the softmax needs the LSE back
@@ -100,6 +107,8 @@ class _PairCE(torch.autograd.Function):
             for j0, j1 in _tiles(m, ctx.chunk):
                 dot = a[i0:i1] @ b[j0:j1].T
                 z = dot * scale
+                if col_bias is not None:
+                    z += col_bias[None, j0:j1]
                 w = torch.exp(z - row_lse[i0:i1, None]).mul_(g_row[i0:i1, None])
                 if use_col:
                     w += torch.exp(z - col_lse[None, j0:j1]).mul_(g_col[None, j0:j1])
@@ -113,16 +122,21 @@ class _PairCE(torch.autograd.Function):
         ga[lo:hi].addcmul_(gpos[:, None], b[lo + off:hi + off], value=-1)
         gb[lo + off:hi + off].addcmul_(gpos[:, None], a[lo:hi], value=-1)
         gs -= (gpos * pos).sum() / scale
-        return ga.mul_(scale), gb.mul_(scale), gs.reshape(scale.shape), None, None, None
+        return ga.mul_(scale), gb.mul_(scale), gs.reshape(scale.shape), None, None, None, None
 
 
-def pair_ce(a: torch.Tensor, b: torch.Tensor, scale, chunk: int, offset: int = 0, want_col: bool = False):
+def pair_ce(a: torch.Tensor, b: torch.Tensor, scale, chunk: int, offset: int = 0, want_col: bool = False,
+            col_bias: torch.Tensor | None = None):
     """Per-row (and per-column) InfoNCE terms of ``s a b^T`` with positives on the ``offset``
-    diagonal, for ``a (n, D)``, ``b (m, D)``: ``row (n,)``, ``col (m,)`` (empty unless asked)."""
+    diagonal, for ``a (n, D)``, ``b (m, D)``: ``row (n,)``, ``col (m,)`` (empty unless asked).
+    ``col_bias (m,)``: a constant added to every logit of a column (:data:`MASKED` leaves a column out;
+    a positive's column must not be masked)."""
     with _no_autocast(a):
         a, b = _full(a, b)
         scale = torch.as_tensor(scale, device=a.device).to(a.dtype)
-        return _PairCE.apply(a, b, scale, chunk, offset, want_col)
+        if col_bias is not None:
+            col_bias = col_bias.detach().to(a.dtype)
+        return _PairCE.apply(a, b, scale, chunk, offset, want_col, col_bias)
 
 
 def pair_lse(a: torch.Tensor, b: torch.Tensor, scale, chunk: int):
@@ -132,15 +146,18 @@ def pair_lse(a: torch.Tensor, b: torch.Tensor, scale, chunk: int):
 
 class _SoftplusSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, scale, bias, chunk: int, offset: int | None):
+    def forward(ctx, a, b, scale, bias, chunk: int, offset: int | None, col_bias=None):
         total = a.new_zeros(())
         for i0, i1 in _tiles(a.shape[0], chunk):
             for j0, j1 in _tiles(b.shape[0], chunk):
-                total += F.softplus((a[i0:i1] @ b[j0:j1].T).mul_(scale).add_(bias)).sum()
+                z = (a[i0:i1] @ b[j0:j1].T).mul_(scale).add_(bias)
+                if col_bias is not None:
+                    z += col_bias[None, j0:j1]
+                total += F.softplus(z).sum()
         if offset is not None:
             lo, hi = _diag(a.shape[0], b.shape[0], offset)
             total -= (_rowdot(a[lo:hi], b[lo + offset:hi + offset], chunk) * scale + bias).sum()
-        ctx.save_for_backward(a, b, scale, bias)
+        ctx.save_for_backward(a, b, scale, bias, col_bias)
         ctx.chunk, ctx.offset = chunk, offset
         return total
 
@@ -151,7 +168,7 @@ class _SoftplusSum(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, g):
-        a, b, scale, bias = ctx.saved_tensors
+        a, b, scale, bias, col_bias = ctx.saved_tensors
         # as in _PairCE: the scale (and the incoming gradient) enter as tensors, never host numbers
         ga, gb = torch.zeros_like(a), torch.zeros_like(b)
         gs = torch.zeros((), dtype=a.dtype, device=a.device)
@@ -159,7 +176,10 @@ class _SoftplusSum(torch.autograd.Function):
         for i0, i1 in _tiles(a.shape[0], ctx.chunk):
             for j0, j1 in _tiles(b.shape[0], ctx.chunk):
                 dot = a[i0:i1] @ b[j0:j1].T
-                w = torch.sigmoid(dot * scale + bias).mul_(g)
+                z = dot * scale + bias
+                if col_bias is not None:
+                    z += col_bias[None, j0:j1]
+                w = torch.sigmoid(z).mul_(g)
                 ga[i0:i1].addmm_(w, b[j0:j1])
                 gb[j0:j1].addmm_(w.T, a[i0:i1])
                 gs += (w * dot).sum()
@@ -171,18 +191,22 @@ class _SoftplusSum(torch.autograd.Function):
             gb[lo + off:hi + off].sub_(a[lo:hi] * g)
             gs -= g * _rowdot(a[lo:hi], b[lo + off:hi + off], ctx.chunk).sum()
             gbias -= g * (hi - lo)
-        return ga.mul_(scale), gb.mul_(scale), gs.reshape(scale.shape), gbias.reshape(bias.shape), None, None
+        return ga.mul_(scale), gb.mul_(scale), gs.reshape(scale.shape), gbias.reshape(bias.shape), None, None, None
 
 
-def softplus_sum(a: torch.Tensor, b: torch.Tensor, scale, bias, chunk: int, offset: int | None = None):
+def softplus_sum(a: torch.Tensor, b: torch.Tensor, scale, bias, chunk: int, offset: int | None = None,
+                 col_bias: torch.Tensor | None = None):
     """``sum_ij softplus(s a_i.b_j + bias)`` for ``a (n, D)``, ``b (m, D)``, minus the logits
     ``s a_i.b_{i+offset} + bias`` of the positives when ``offset`` is given (SigLIP:
-    ``-log sigmoid(l) = softplus(l) - l``)."""
+    ``-log sigmoid(l) = softplus(l) - l``). ``col_bias (m,)``: a constant added to every logit of a
+    column (:data:`MASKED` leaves it out: softplus and its gradient are exactly 0 there)."""
     with _no_autocast(a):
         a, b = _full(a, b)
         scale = torch.as_tensor(scale, device=a.device).to(a.dtype)
         bias = torch.as_tensor(0.0 if bias is None else bias, device=a.device).to(a.dtype)
-        return _SoftplusSum.apply(a, b, scale, bias, chunk, offset)
+        if col_bias is not None:
+            col_bias = col_bias.detach().to(a.dtype)
+        return _SoftplusSum.apply(a, b, scale, bias, chunk, offset, col_bias)
 
 
 class _TargetMatmul(torch.autograd.Function):

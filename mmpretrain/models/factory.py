@@ -239,11 +239,17 @@ class DualEncoder(nn.Module):
         images: torch.Tensor,
         tokens: torch.Tensor | None = None,
         target_embeddings: torch.Tensor | None = None,
+        negative_tokens: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
-        """``images (B, 3, H, W)``, ``tokens (B, L)``, ``target_embeddings (B, E)``."""
+        """``images (B, 3, H, W)``, ``tokens (B, L)``, ``target_embeddings (B, E)``; ``negative_tokens (B, L)``
+        (hard negatives) are encoded in the same text pass and returned as ``negative_text_features``."""
         image_features = self.clip.encode_image(images, normalize=True)
+        negative = None
         if self.text_from_targets:
             text_features = F.normalize(self.clip.text.proj(target_embeddings.to(image_features.dtype)), dim=-1)
+        elif negative_tokens is not None:
+            both = encode_text_trimmed(self.clip, torch.cat([tokens, negative_tokens]))
+            text_features, negative = both[:tokens.shape[0]], both[tokens.shape[0]:]
         else:
             text_features = encode_text_trimmed(self.clip, tokens)
         scale, bias = self.clip.logit_scale, self.clip.logit_bias
@@ -254,6 +260,7 @@ class DualEncoder(nn.Module):
             "text_features": text_features,
             "logit_scale": scale.exp().reshape(()),  # 0-dim also when built as a vector for FSDP
             "logit_bias": bias.reshape(()) if bias is not None else None,
+            **({"negative_text_features": negative} if negative is not None else {}),
         }
 
 

@@ -78,7 +78,7 @@ def total_of(out: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def forward_backward(accelerator, model, objective, images, tokens=None, target_emb=None, *,
-                     micro_batch: int | None = None, mode: str = "grad_cache",
+                     negative_tokens=None, micro_batch: int | None = None, mode: str = "grad_cache",
                      finite: Callable[[torch.Tensor], bool] | None = None,
                      context: dict[str, Any] | None = None) -> StepResult:
     """Gradients of the step's loss into the parameters. ``context``: the step context the objective
@@ -91,13 +91,19 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
     the backward always runs, and the caller skips the update on the device where it is False (the
     gradients of a non-finite loss are discarded with it). In accumulate mode every micro-batch's
     backward has already run when the total is known; a False there only marks the result, and the
-    caller discards the accumulated gradients (as it must in every mode when ``finite`` is False)."""
+    caller discards the accumulated gradients (as it must in every mode when ``finite`` is False).
+    ``negative_tokens (B, L)``: hard-negative captions, encoded with the captions (``negative_text_features``)."""
     acc = accelerator
     B = images.shape[0]
     kw = context or {}
+    neg = {} if negative_tokens is None else {"negative_tokens": negative_tokens}
+
+    def sub_neg(s):
+        return {} if negative_tokens is None else {"negative_tokens": negative_tokens[s]}
+
     if not micro_batch or micro_batch >= B:
         with acc.autocast():
-            feats = for_objective(model(images, tokens=tokens, target_embeddings=target_emb), images.device)
+            feats = for_objective(model(images, tokens=tokens, target_embeddings=target_emb, **neg), images.device)
             out = objective(**feats, target_embeddings=target_emb, **kw)
         total = total_of(out)
         ok = True if finite is None else finite(total)
@@ -110,8 +116,8 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
         for j, s in enumerate(chunks):
             with acc.no_sync(model) if j < len(chunks) - 1 else nullcontext():
                 with acc.autocast():
-                    feats = for_objective(model(images[s], tokens=_sub(tokens, s), target_embeddings=_sub(target_emb, s)),
-                                          images.device)
+                    feats = for_objective(model(images[s], tokens=_sub(tokens, s), target_embeddings=_sub(target_emb, s),
+                                                **sub_neg(s)), images.device)
                     o = objective(**feats, target_embeddings=_sub(target_emb, s),
                                   **{k: _sub(v, s) if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
                 acc.backward(total_of(o) / len(chunks))
@@ -125,14 +131,16 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
     if mode != "grad_cache":
         raise ValueError(f"train.micro_batch_mode={mode!r}: grad_cache or accumulate")
     device = images.device
-    states, img, txt = [], [], []
+    states, img, txt, negs = [], [], [], []
     with torch.no_grad():
         for s in chunks:
             states.append(_rng_state(device))
             with acc.autocast():
-                f = model(images[s], tokens=_sub(tokens, s), target_embeddings=_sub(target_emb, s))
+                f = model(images[s], tokens=_sub(tokens, s), target_embeddings=_sub(target_emb, s), **sub_neg(s))
             img.append(f["image_features"])
             txt.append(f["text_features"])
+            if negative_tokens is not None:
+                negs.append(f["negative_text_features"])
     after = _rng_state(device)
     # the scale and bias as the forward uses them (clamped; 0-dim), not read off the parameters: under
     # FSDP a rank holds only its shard of them (often nothing)
@@ -143,9 +151,11 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
     # the towers' backward below goes through accelerator.backward, scaled as usual.
     img = _full(torch.cat(img).detach()).requires_grad_()
     txt = _full(torch.cat(txt).detach()).requires_grad_()
+    cached_neg = _full(torch.cat(negs).detach()).requires_grad_() if negs else None
     with torch.autocast(device.type, enabled=False):
         out = objective(image_features=img, text_features=txt, logit_scale=scale, logit_bias=bias,
-                        target_embeddings=target_emb, **kw)
+                        target_embeddings=target_emb, **kw,
+                        **({"negative_text_features": cached_neg} if cached_neg is not None else {}))
     total = total_of(out)
     ok = True if finite is None else finite(total)
     if not isinstance(ok, torch.Tensor) and not ok:
@@ -156,8 +166,10 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
         _set_rng_state(states[j], device)
         with acc.no_sync(model) if not last else nullcontext():
             with acc.autocast():
-                f = model(images[s], tokens=_sub(tokens, s), target_embeddings=_sub(target_emb, s))
+                f = model(images[s], tokens=_sub(tokens, s), target_embeddings=_sub(target_emb, s), **sub_neg(s))
                 surrogate = (f["image_features"] * img.grad[s]).sum() + (f["text_features"] * txt.grad[s]).sum()
+                if cached_neg is not None and cached_neg.grad is not None:
+                    surrogate = surrogate + (f["negative_text_features"] * cached_neg.grad[s]).sum()
                 if last and scale.grad is not None:
                     surrogate = surrogate + (f["logit_scale"] * scale.grad).sum()
                 if last and bias is not None and bias.grad is not None:

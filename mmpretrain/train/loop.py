@@ -33,6 +33,8 @@ def step_context(objective, step: int, batch: dict[str, Any], device: torch.devi
     context: dict[str, Any] = {"step": step, "epoch": int(batch["epoch"]) + 1}
     if objective.needs_labels:
         context["labels"] = batch["labels"].to(device, non_blocking=True)
+    if getattr(objective, "needs_negatives", False):
+        context["negative_mask"] = batch["negative_mask"].to(device, non_blocking=True)
     if objective.needs_sample_index:
         context["sample_index"] = batch["sample_index"].to(device, non_blocking=True)
     if getattr(objective, "needs_teacher", False):  # the stored teacher rows of the crops and captions trained on
@@ -63,12 +65,17 @@ def train_step(run: Run, batch: dict[str, Any]) -> StepResult:
             target_emb = run.target_encoder.encode(batch["texts"], convert_to_tensor=True, normalize_embeddings=True)
     if target_emb is not None:
         target_emb = target_emb.to(acc.device, non_blocking=True).float()
-    tokens = batch.get("tokens")
+    tokens, negative_tokens = batch.get("tokens"), None
     if tokens is not None:
-        if run.trim_text:  # on the host copy: the used length read on the device would be a sync
+        if getattr(run.objective, "needs_negatives", False):  # one text pass: cut to the longer of the two
+            negative_tokens = batch["negative_tokens"]
+            both = torch.cat([tokens, negative_tokens])
+            both = trim_padding(both, cfg.train.text_length_multiple) if run.trim_text else both
+            tokens, negative_tokens = both[:len(tokens)], both[len(tokens):].to(acc.device, non_blocking=True)
+        elif run.trim_text:  # on the host copy: the used length read on the device would be a sync
             tokens = trim_padding(tokens, cfg.train.text_length_multiple)
         tokens = tokens.to(acc.device, non_blocking=True)
-    res = forward_backward(acc, run.model, run.objective, images, tokens, target_emb,
+    res = forward_backward(acc, run.model, run.objective, images, tokens, target_emb, negative_tokens=negative_tokens,
                            micro_batch=cfg.train.micro_batch_size, mode=cfg.train.micro_batch_mode,
                            finite=guard.agree,
                            context=step_context(run.objective, st.step, batch, acc.device, run.teacher_dims))
