@@ -113,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     n.add_argument("--rules", nargs="+", default=["swap", "replace"], help="swap and/or replace (default: both)")
     n.add_argument("--seed", type=int, default=0, help="seeds every draw with the sample key (default 0)")
     n.add_argument("--overwrite", action="store_true", help="replace a dataset an earlier command wrote to --out")
+    n.add_argument("--layout", choices=["shards", "sugar_crepe"], default="shards",
+                   help="shards: a copy of the dataset with negatives (default); sugar_crepe: an evaluation set in "
+                        "SugarCrepe's layout (val2017/ + swap_obj.json / replace_obj.json) for image_caption_selection")
 
     v = sub.add_parser("verify", help="read every sample back and check it against sizes.json and the manifest")
     v.add_argument("dir")
@@ -201,10 +204,11 @@ def _run(args) -> int:
     if args.cmd == "filter":
         return _filter(args)
     if args.cmd == "negatives":
-        from data_tools.negatives import negatives
+        from data_tools.negatives import negatives, sugar_crepe_layout
 
-        print(json.dumps(negatives(args.dir, args.out, rules=tuple(args.rules), seed=args.seed,
-                                   overwrite=args.overwrite), indent=2))
+        make = sugar_crepe_layout if args.layout == "sugar_crepe" else negatives
+        print(json.dumps(make(args.dir, args.out, rules=tuple(args.rules), seed=args.seed, overwrite=args.overwrite),
+                         indent=2))
         return 0
     if args.cmd == "verify":
         from data_tools.inspect import FATAL, verify

@@ -15,6 +15,12 @@ two different content words has no swap; one with none has no replace: it gets f
 in the manifest's ``negatives`` record, with the rules, seed and source). Every other member of every
 sample is copied as it is; OUT has the same shard names and ``sizes.json``. Caption embeddings are not
 copied: the shards change size, so run ``data_tools embed OUT`` again when training needs them.
+
+``--layout sugar_crepe`` writes an evaluation set instead: SugarCrepe's layout (``val2017/{key}.jpg`` and
+one ``{split}.json`` per rule, ``{id: {filename, caption, negative_caption}}``) from a held-out split, so
+``python -m mmpretrain.eval --task image_caption_selection`` (and clip_benchmark) score a model on the
+rules' negatives. clip_benchmark takes only SugarCrepe's seven split names, so ``swap`` is written as
+``swap_obj.json`` and ``replace`` as ``replace_obj.json``: rule-made stand-ins, not SugarCrepe's data.
 """
 
 from __future__ import annotations
@@ -186,4 +192,53 @@ def negatives(source: str | Path, out: str | Path, *, rules: tuple[str, ...] = R
     return {"out": str(out), **record}
 
 
-__all__ = ["RULES", "content_words", "make_negatives", "negatives", "replace", "swap"]
+LAYOUT_SPLITS = {"swap": "swap_obj", "replace": "replace_obj"}
+
+
+def sugar_crepe_layout(source: str | Path, out: str | Path, *, rules: tuple[str, ...] = RULES, seed: int = 0,
+                       overwrite: bool = False) -> dict[str, Any]:
+    """SOURCE's images and captions in SugarCrepe's layout at OUT, one negative per sample and rule.
+    Writes only ``val2017/`` and the split files; refuses an OUT holding anything else."""
+    from PIL import Image
+
+    src, out = Path(source), Path(out)
+    if not (src / SIZES).is_file():
+        raise BuildError(f"{src}: not a dataset folder (no {SIZES}); build one with `python -m data_tools build`")
+    check_source_and_out(str(src), out)
+    ours = {out / f"{s}.json" for s in LAYOUT_SPLITS.values()} | {out / "val2017"}
+    if out.exists():
+        others = [p for p in out.iterdir() if p not in ours]
+        if others:
+            raise BuildError(f"--out {out} holds {others[0].name} (not this layout's): choose an empty folder")
+        if any(p.exists() for p in ours) and not overwrite:
+            raise BuildError(f"--out {out} already holds a SugarCrepe layout; pass --overwrite to replace it")
+    samples = []
+    for name in sorted(read_sizes(src)):
+        for raw in read_tar(src / name):
+            caption, meta = _captions(raw)
+            ext = next((e for e in ("jpg", "jpeg", "png", "webp") if e in raw), None)
+            if caption and ext:
+                samples.append((raw["__key__"], raw[ext], caption, meta or {}))
+    vocabulary = sorted({m.group().lower() for _, _, c, _ in samples for m in content_words(c)})
+    images = out / "val2017"
+    images.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for rule in rules:
+        entries = {}
+        for key, _, caption, meta in samples:
+            positives = {caption.lower()} | {c.strip().lower() for c in meta.get("captions", []) if isinstance(c, str)}
+            negs = make_negatives(caption, key, (rule,), seed, vocabulary, positives)
+            if negs:
+                entries[str(len(entries))] = {"filename": f"{key}.jpg", "caption": caption, "negative_caption": negs[0]}
+        write_json_atomic(out / f"{LAYOUT_SPLITS[rule]}.json", entries)
+        counts[LAYOUT_SPLITS[rule]] = len(entries)
+    for key, data, _, _ in samples:  # COCO's layout holds JPEGs: converted once, at quality 95
+        import io
+
+        with Image.open(io.BytesIO(data)) as im:
+            im.convert("RGB").save(images / f"{key}.jpg", quality=95)
+    return {"out": str(out), "layout": "sugar_crepe", "rules": list(rules), "seed": seed, "source": str(src),
+            "images": len(samples), "instances": counts}
+
+
+__all__ = ["LAYOUT_SPLITS", "sugar_crepe_layout", "RULES", "content_words", "make_negatives", "negatives", "replace", "swap"]

@@ -310,6 +310,43 @@ def openmoji(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def sugar_crepe(openmoji, tmp_path_factory) -> Path:
+    """SugarCrepe's layout (val2017/ + swap_obj.json, replace_obj.json) from the held-out emoji, negatives
+    made by `data_tools negatives --layout sugar_crepe`."""
+    out = tmp_path_factory.mktemp("sugar_crepe") / "sc"
+    r = run_main("data_tools", "negatives", str(openmoji / "test"), "--out", str(out), "--layout", "sugar_crepe")
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.fixture(scope="session")
+def winoground(openmoji, tmp_path_factory) -> Path:
+    """Winoground's layout as clip_benchmark reads it (image_0, image_1, caption_0, caption_1 and the other
+    columns of facebook/winoground), saved with save_to_disk: pairs of held-out emoji."""
+    import io
+
+    import datasets
+    from PIL import Image
+
+    from mmpretrain.data.tar import read_tar
+
+    samples = [(Image.open(io.BytesIO(s["png"])).convert("RGB"), s["txt"].decode())
+               for shard in sorted((openmoji / "test").glob("*.tar")) for s in read_tar(shard) if "png" in s]
+    pairs = [(samples[i], samples[i + 1]) for i in range(0, len(samples) - 1, 2)][:40]
+    rows = {"id": list(range(len(pairs))), "image_0": [a[0] for a, _ in pairs], "image_1": [b[0] for _, b in pairs],
+            "caption_0": [a[1] for a, _ in pairs], "caption_1": [b[1] for _, b in pairs],
+            "tag": ["object"] * len(pairs), "secondary_tag": [""] * len(pairs),
+            "num_main_preds": [1] * len(pairs), "collapsed_tag": ["Object"] * len(pairs)}
+    features = datasets.Features({"id": datasets.Value("int32"), "image_0": datasets.Image(), "image_1": datasets.Image(),
+                                  "caption_0": datasets.Value("string"), "caption_1": datasets.Value("string"),
+                                  "tag": datasets.Value("string"), "secondary_tag": datasets.Value("string"),
+                                  "num_main_preds": datasets.Value("int32"), "collapsed_tag": datasets.Value("string")})
+    out = tmp_path_factory.mktemp("winoground") / "winoground"
+    datasets.DatasetDict({"test": datasets.Dataset.from_dict(rows, features=features)}).save_to_disk(str(out))
+    return out
+
+
 # a teacher of the experiment grid's kind: the packaged ViT with a trainable open_clip text tower
 TEACHER = ["model.arch=mmpt-tiny-vit", "model.lock_text=false", "model.text_from_targets=false",
            "data.batch_size=16", "data.num_workers=0", "loss=[{name: clip}]"]

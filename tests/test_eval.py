@@ -129,23 +129,24 @@ def test_zero_shot_equals_naive_per_sample(openmoji, model_state):
 
 
 JOBS = [("openmoji", "zeroshot_classification"), ("openmoji/test", "zeroshot_retrieval"),
-        ("openmoji", "linear_probe"), ("openmoji", "knn"), ("openmoji", "clustering")]
+        ("openmoji", "linear_probe"), ("openmoji", "knn"), ("openmoji", "clustering"),
+        ("sugar_crepe/swap_obj", "image_caption_selection")]
 
 
-def _run_jobs(rank, world, root, state_path, num_workers):
+def _run_jobs(rank, world, root, state_path, num_workers, sugar_crepe):
     model, preprocess, tokenizer = _model(state_path)
     out = []
     for rel, task in JOBS:
-        spec = str(root / rel.removeprefix("openmoji").lstrip("/"))
+        spec = f"{rel}:{sugar_crepe}" if rel.startswith("sugar_crepe") else str(root / rel.removeprefix("openmoji").lstrip("/"))
         out.append(evaluate(model, preprocess, tokenizer, spec, task, batch_size=16, num_workers=num_workers,
                             rank=rank, world_size=world))
     return out
 
 
-def test_two_ranks_equal_one_rank(openmoji, model_state, tmp_path):
+def test_two_ranks_equal_one_rank(openmoji, model_state, sugar_crepe, tmp_path):
     assert {t for _, t in JOBS} == set(TASKS)
-    single = _run_jobs(0, 1, openmoji, model_state, 0)
-    ranks = run_ranks(_run_jobs, (openmoji, model_state, 1), tmp_path, world=2)
+    single = _run_jobs(0, 1, openmoji, model_state, 0, sugar_crepe)
+    ranks = run_ranks(_run_jobs, (openmoji, model_state, 1, sugar_crepe), tmp_path, world=2)
     assert json.dumps(ranks[0]) == json.dumps(ranks[1])  # identical on every rank
     for one, two in zip(single, ranks[0]):
         assert one["n"] == two["n"], one["task"]  # nothing counted twice, nothing lost

@@ -1,5 +1,5 @@
-"""Evaluation: zero-shot classification and retrieval, linear probe, k-NN and clustering, under
-clip_benchmark's metric names, each entry of ``results.json`` with its chance levels.
+"""Evaluation: zero-shot classification and retrieval, linear probe, k-NN, clustering and image-caption
+selection (SugarCrepe, Winoground), under clip_benchmark's metric names, each entry of ``results.json`` with its chance levels.
 
 One module per task, each with its metrics and its runner ``run(model, preprocess, tokenizer, data,
 ctx) -> {"n", "metrics", "chance", ...}``; :data:`TASKS` is the registry. :func:`evaluate` runs one
@@ -21,18 +21,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from mmpretrain.eval import clustering, knn, linear_probe, retrieval, zero_shot
+from mmpretrain.eval import clustering, knn, linear_probe, retrieval, selection, zero_shot
 from mmpretrain.eval.datasets import EvalDataset, load_dataset, load_splits
 from mmpretrain.eval.loop import EvalContext, gather
+from mmpretrain.eval.selection_data import SelectionDataset, expand_spec, load_selection
 
 
 @dataclass(frozen=True)
 class Task:
     """``run(model, preprocess, tokenizer, data, ctx)``; ``data``: what it is given -- ``dataset`` (one
-    :class:`EvalDataset`), ``splits`` (train and test) or ``test_split`` (``(None, test)``)."""
+    :class:`EvalDataset`), ``splits`` (train and test), ``test_split`` (``(None, test)``) or ``selection``
+    (one :class:`SelectionDataset`)."""
 
     run: Callable[..., dict[str, Any]]
-    data: Literal["dataset", "splits", "test_split"]
+    data: Literal["dataset", "splits", "test_split", "selection"]
 
 
 TASKS: dict[str, Task] = {
@@ -41,9 +43,17 @@ TASKS: dict[str, Task] = {
     "linear_probe": Task(linear_probe.run, "splits"),
     "knn": Task(knn.run, "splits"),
     "clustering": Task(clustering.run, "test_split"),
+    "image_caption_selection": Task(selection.run, "selection"),
 }
 
-TaskData = EvalDataset | tuple[EvalDataset | None, EvalDataset]
+TaskData = EvalDataset | tuple[EvalDataset | None, EvalDataset] | SelectionDataset
+
+
+def expand_jobs(jobs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``(spec, task)`` pairs with a spec naming several datasets (every SugarCrepe split of a folder)
+    made one pair per dataset. Raises FileNotFoundError naming the spec."""
+    return [(s, task) for spec, task in jobs
+            for s in (expand_spec(spec) if TASKS.get(task) and TASKS[task].data == "selection" else [spec])]
 
 
 def load_task_data(spec: str, task: str) -> TaskData:
@@ -51,6 +61,8 @@ def load_task_data(spec: str, task: str) -> TaskData:
     if task not in TASKS:
         raise ValueError(f"task {task!r} is not one of {', '.join(TASKS)}")
     kind = TASKS[task].data
+    if kind == "selection":
+        return load_selection(spec)
     if kind == "dataset":
         return load_dataset(spec)
     return load_splits(spec, need_train=kind == "splits")
@@ -70,7 +82,7 @@ def evaluate(model, preprocess, tokenizer, data: str | Path | TaskData, task: st
                       features=features)
     model.eval()
     res = TASKS[task].run(model, preprocess, tokenizer, data, ctx)
-    ds = data if isinstance(data, EvalDataset) else data[1]
+    ds = data if isinstance(data, (EvalDataset, SelectionDataset)) else data[1]
     name = ds.name
     skipped = sum((Counter(c) for c in gather(dict(ctx.skipped), world_size)), Counter())
     if skipped and rank == 0:
@@ -152,5 +164,5 @@ def format_table(entries: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["TASKS", "EvalContext", "EvalDataset", "Evaluator", "Task", "evaluate", "format_table", "load_task_data",
-           "merge_results"]
+__all__ = ["TASKS", "EvalContext", "EvalDataset", "Evaluator", "SelectionDataset", "Task", "evaluate", "expand_jobs",
+           "format_table", "load_task_data", "merge_results"]

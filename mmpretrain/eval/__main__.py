@@ -14,7 +14,15 @@ import argparse
 import json
 import sys
 
-from mmpretrain.eval import TASKS, check_results_file, evaluate, format_table, load_task_data, merge_results
+from mmpretrain.eval import (
+    TASKS,
+    check_results_file,
+    evaluate,
+    expand_jobs,
+    format_table,
+    load_task_data,
+    merge_results,
+)
 from mmpretrain.eval.datasets import BadEvalData
 from mmpretrain.eval.zero_shot import named_templates
 from mmpretrain.launch import current_process
@@ -26,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, help="run folder, export folder, local-dir:DIR, hf-hub:ID or arch")
     p.add_argument("--pretrained", default=None, help="open_clip pretrained tag or file (with an arch name)")
     p.add_argument("--dataset", required=True, nargs="+",
-                   help="dataset folder(s): clip_benchmark wds layout (wds:DIR) or shards (shards:DIR)")
+                   help="dataset folder(s): clip_benchmark wds layout (wds:DIR) or shards (shards:DIR); for "
+                        "image_caption_selection sugar_crepe[/SPLIT]:DIR (val2017/ + SPLIT.json) or winoground[:DIR]")
     p.add_argument("--task", required=True, nargs="+", choices=list(TASKS), help="one task per dataset, or one for all")
     p.add_argument("--templates", default=None,
                    help="zero-shot prompts: openai_imagenet, simple_imagenet, default, or a file (one {c} per line); "
@@ -49,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         print("error: give one --task, or one per --dataset", file=sys.stderr)
         return 2
     tasks = args.task * len(args.dataset) if len(args.task) == 1 else args.task
+    try:
+        jobs = expand_jobs(list(zip(args.dataset, tasks)))  # sugar_crepe:DIR -> one dataset per split
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tasks = [t for _, t in jobs]
     if args.output:
         try:
             check_results_file(args.output)
@@ -61,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # every dataset is checked before the model loads, and before open_clip is imported (~5 s): a
         # wrong path or a broken dataset is answered at once
-        data = [load_task_data(d, t) for d, t in zip(args.dataset, tasks)]
+        data = [load_task_data(d, t) for d, t in jobs]
         from mmpretrain.models.load import load_model
 
         try:

@@ -41,3 +41,39 @@ def clip_benchmark_eval(model, preprocess, tokenizer, root: str | Path, task: st
         return zeroshot_retrieval.evaluate(model, loader, tokenizer, device, amp=False,
                                            recall_k_list=recall_k or [1, 5, 10])
     raise ValueError(f"clip_benchmark comparison covers zero-shot classification and retrieval, not {task!r}")
+
+
+def clip_benchmark_cli(*argv: str) -> dict:
+    """``clip_benchmark eval ARGV --output FILE`` in this process (its own argument parsing, model
+    loading and dataset building); the metrics it writes."""
+    import json
+    import sys
+    import tempfile
+
+    from clip_benchmark import cli
+
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "result.json"
+        saved = sys.argv
+        sys.argv = ["clip_benchmark", "eval", *argv, "--output", str(out)]
+        try:
+            cli.main()
+        finally:
+            sys.argv = saved
+        return json.loads(out.read_text())["metrics"]
+
+
+def clip_benchmark_winoground(model, preprocess, tokenizer, saved: str | Path, *, batch_size: int = 64) -> dict:
+    """clip_benchmark's ``WinoGround`` dataset and ``image_caption_selection.evaluate`` (fp32, no amp) on a
+    ``save_to_disk`` copy: its dataset class loads ``facebook/winoground`` from the Hub, so the loaded
+    copy takes the place of that one call; everything after it is clip_benchmark's."""
+    import datasets
+    from clip_benchmark.datasets.builder import image_captions_collate_fn
+    from clip_benchmark.datasets.winoground import WinoGround
+    from clip_benchmark.metrics import image_caption_selection
+
+    ds = WinoGround.__new__(WinoGround)
+    ds.ds, ds.transform = datasets.load_from_disk(str(saved))["test"], preprocess
+    loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=False, collate_fn=image_captions_collate_fn)
+    model.eval()
+    return image_caption_selection.evaluate(model, loader, tokenizer, "cpu", amp=False)

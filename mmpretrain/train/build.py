@@ -26,7 +26,7 @@ from mmpretrain.data.sidecar import attach_embeddings, check_extra_rows, recorde
 from mmpretrain.data.sources import Source, resolve_sources
 from mmpretrain.data.stream import StreamPosition, TrainStream, make_loader
 from mmpretrain.data.teacher import attach_teachers
-from mmpretrain.eval import Evaluator, load_task_data
+from mmpretrain.eval import Evaluator, expand_jobs, load_task_data
 from mmpretrain.hub_cache import offline, require_model
 from mmpretrain.launch import engine_of
 from mmpretrain.losses import WeightedObjective, build_objective
@@ -151,6 +151,9 @@ def build_model(cfg: ExperimentConfig, objective: WeightedObjective) -> Model:
                           "model.text_model" if m.text_model else f"model.arch={m.arch}'s text tower")
         if m.text_from_targets:
             factory.check_text_from_targets(model_cfg, cfg.targets.model)
+            if objective.needs_negatives:
+                raise ValueError("hard_negatives needs the text tower to encode the negative captions; with "
+                                 "model.text_from_targets=true the text side is the stored embeddings: set it false")
         model_cfg = factory.with_logit_init(model_cfg, objective.init_logit_scale, objective.init_logit_bias)
         set_seed(cfg.seed)
         module = factory.build_dual_encoder(
@@ -234,7 +237,7 @@ def build_loader(cfg: ExperimentConfig, data: Data, model: Model, objective: Wei
         embeddings={"shards": "require", "online": "ignore", "none": "ignore"}[target_from],
         labels=objective.needs_labels, embedding_dim=embedding_dim, max_pixels=cfg.data.max_pixels,
         captions=cfg.data.captions, device_decode=images is not None and images.device_decode,
-        teacher=objective.needs_teacher,
+        teacher=objective.needs_teacher, negatives=objective.needs_negatives,
     )
     stream = TrainStream(data.plan, decoder, rank, start=position.state() if position is not None else None,
                          tokenizer=None if cfg.model.text_from_targets else factory.make_tokenizer(model.model_cfg))
@@ -292,11 +295,12 @@ def check_outside_inputs(cfg: ExperimentConfig) -> None:
 def load_eval_data(cfg: ExperimentConfig) -> list[tuple[Any, str]]:
     """Each ``eval.datasets`` entry loaded up front (not after the first ``eval.every`` steps)."""
     jobs = []
-    for i, (spec, task) in enumerate(cfg.eval.jobs):
+    for i, (given, task) in enumerate(cfg.eval.jobs):
         try:
-            jobs.append((load_task_data(spec, task), task))
+            for spec, _ in expand_jobs([(given, task)]):  # sugar_crepe:DIR -> one dataset per split
+                jobs.append((load_task_data(spec, task), task))
         except (FileNotFoundError, ValueError) as e:
-            raise ConfigError(f"eval.datasets.{i}={spec} (task {task}): {e}") from None
+            raise ConfigError(f"eval.datasets.{i}={given} (task {task}): {e}") from None
     return jobs
 
 
