@@ -111,12 +111,22 @@ def _captions(raw: dict[str, Any]) -> tuple[str | None, dict | None]:
 
 
 def _check_out(src: Path, out: Path, overwrite: bool) -> None:
+    """OUT may hold only what an earlier run of this command (or a build) wrote: a finished dataset is
+    replaced with --overwrite only; an interrupted run (its manifest lists the shards it was writing, no
+    sizes.json yet) is cleared and redone; a tar nothing here wrote is refused. Nothing else is removed."""
     check_source_and_out(str(src), out)
     if not out.exists():
         return
     if not out.is_dir():
         raise BuildError(f"--out {out} is a file: choose a folder")
     ours = recorded_files(out)
+    try:
+        record = read_manifest(out).get("negatives")
+    except (ValueError, AttributeError):
+        record = None
+    if isinstance(record, dict) and isinstance(record.get("shards"), list):
+        names = [n for n in record["shards"] if isinstance(n, str) and "/" not in n]
+        ours |= {f for n in names for f in (out / n, out / (n + ".tmp")) if f.is_file()} | {out / MANIFEST}
     foreign = sorted(p for p in out.glob("*.tar") if p not in ours)
     if foreign:
         raise BuildError(f"--out {out} holds {foreign[0]} ({len(foreign)} tar file(s)) that no data_tools command "
@@ -156,6 +166,8 @@ def negatives(source: str | Path, out: str | Path, *, rules: tuple[str, ...] = R
         raise BuildError(f"{src}: a shard is not a readable tar ({e}); run data_tools verify") from None
     vocabulary = sorted(vocab)
     out.mkdir(parents=True, exist_ok=True)
+    # written first: an interrupted run's shards are then known as this command's (cleared by the rerun)
+    write_json_atomic(out / MANIFEST, {"negatives": {"source": str(src), "pending": True, "shards": sorted(sizes)}})
     import webdataset as wds
 
     counts = {"samples": 0, "negatives": 0, "without_negatives": 0, "without_caption": 0, "unreadable_json": 0}
@@ -185,11 +197,11 @@ def negatives(source: str | Path, out: str | Path, *, rules: tuple[str, ...] = R
                 w.write(sample)
         tmp.replace(out / shard.name)
         written[shard.name] = n
-    record = {"rules": list(rules), "seed": seed, "source": str(src), **counts}
+    record = {"rules": list(rules), "seed": seed, "source": str(src), **counts, "shards": sorted(written)}
     manifest = dict(read_manifest(src), negatives=record)
     write_json_atomic(out / MANIFEST, manifest)
     write_json_atomic(out / SIZES, written)
-    return {"out": str(out), **record}
+    return {"out": str(out), **{k: v for k, v in record.items() if k != "shards"}}
 
 
 LAYOUT_SPLITS = {"swap": "swap_obj", "replace": "replace_obj"}

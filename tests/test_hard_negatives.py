@@ -5,6 +5,7 @@ one process. Plus the data side: negatives drawn per epoch, malformed ones a cou
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -244,6 +245,25 @@ def test_negatives_command_then_training_counts_malformed_lists(openmoji, tmp_pa
     assert r.returncode == 2 and "--overwrite" in r.stderr  # a dataset is there: not replaced silently
     r = run_main("data_tools", "negatives", str(openmoji / "train"), "--out", str(openmoji / "train" / "x"))
     assert r.returncode == 2 and "inside the source" in r.stderr
+    # an interrupted run (manifest written first, one shard done, one half-written) beside a user's file:
+    # the rerun clears only its own files and finishes; a tar nothing wrote is refused
+    cut = tmp_path / "cut"
+    shutil.copytree(again, cut)
+    (cut / "sizes.json").unlink()
+    record = json.loads((cut / "manifest.json").read_text())
+    (cut / "manifest.json").write_text(json.dumps({"negatives": {**record["negatives"], "pending": True}}))
+    names = sorted(p.name for p in cut.glob("*.tar"))
+    (cut / names[1]).rename(cut / (names[1] + ".tmp"))
+    for n in names[2:]:
+        (cut / n).unlink()
+    (cut / "notes.txt").write_text("mine")
+    assert run_main("data_tools", "negatives", str(openmoji / "train"), "--out", str(cut), "--seed", "3").returncode == 0
+    assert (cut / "notes.txt").read_text() == "mine" and not list(cut.glob("*.tmp"))
+    assert list(read_tar(cut / names[-1])) == list(read_tar(again / names[-1]))  # the same samples (tar mtimes differ)
+    (cut / "sizes.json").unlink()
+    shutil.copy(shard, cut / "theirs.tar")
+    r = run_main("data_tools", "negatives", str(openmoji / "train"), "--out", str(cut))
+    assert r.returncode == 2 and "theirs.tar" in r.stderr and (cut / "theirs.tar").is_file()
 
     # two samples of the first shard get a malformed list: each is a counted skip
     members = []
