@@ -24,12 +24,14 @@ from mmpretrain.losses.distill import DistillLoss
 from mmpretrain.losses.global_clip import GlobalClipLoss
 from mmpretrain.losses.regions import RegionLoss
 from mmpretrain.losses.registry import OBJECTIVES
+from mmpretrain.losses.resa import ResaLoss
 from mmpretrain.losses.sigmoid import SigmoidLoss
 from mmpretrain.losses.soft_target import SoftTargetLoss
 from mmpretrain.losses.vrn import VrnLoss
 
-# every objective by its config name: the registry's, and the wrapper around any one of them
-LOSSES: dict[str, type[Objective]] = {**OBJECTIVES, "regions": RegionLoss}
+# every objective by its config name: the registry's, the wrapper around any one of them, and resa (its
+# targets are of the whole batch's encodings, which a region's sub-batch does not carry: not wrappable)
+LOSSES: dict[str, type[Objective]] = {**OBJECTIVES, "regions": RegionLoss, "resa": ResaLoss}
 
 
 def _any_term(flag: str, default: bool = False) -> property:
@@ -52,6 +54,16 @@ class WeightedObjective(nn.Module):
     needs_targets = _any_term("needs_targets")
     needs_labels = _any_term("needs_labels")
     needs_negatives = _any_term("needs_negatives")
+    needs_image_encodings = _any_term("needs_image_encodings")
+
+    @property
+    def image_encodings_from(self) -> str | None:
+        """Where the terms that need image encodings take them: ``online`` (the model's forward) or
+        ``ema`` (the weight average's image tower, computed by the trainer); None when none does."""
+        found = {t.encodings for t in self.terms if getattr(t, "needs_image_encodings", False)}
+        if len(found) > 1:
+            raise ValueError("loss terms take image encodings from both the online weights and the ema")
+        return next(iter(found), None)
     needs_teacher = _any_term("needs_teacher")
     needs_sample_index = _any_term("needs_sample_index")
     needs_index_size = _any_term("needs_index_size")
@@ -119,5 +131,6 @@ def build_objective(terms: Sequence[dict], rank: int = 0, world_size: int = 1,
     return WeightedObjective(built)
 
 
-__all__ = ["LOSSES", "AlignUniformLoss", "ClipLoss", "CwclLoss", "DistillLoss", "GlobalClipLoss", "Objective", "RegionLoss", "SigmoidLoss",
+__all__ = ["LOSSES", "AlignUniformLoss", "ClipLoss", "CwclLoss", "DistillLoss", "GlobalClipLoss", "Objective", "RegionLoss",
+           "ResaLoss", "SigmoidLoss",
            "SoftTargetLoss", "VrnLoss", "WeightedObjective", "build_objective"]

@@ -9,6 +9,9 @@ its forward reads beyond the features, and the trainer provides exactly that:
   teacher's embeddings of the crop the sample trains on and of the caption it trains with (``data_tools
   embed --image-model``; an ensemble's members side by side) and ``teacher_dims``, each member's width;
   the stream then replays the teacher's stored crops instead of drawing new ones;
+- ``needs_image_encodings``: ``image_encodings (B, P)``, the image tower's pooled output before its
+  projection (detached), from the model's forward, or with ``encodings = "ema"`` from the ``train.ema``
+  average's image tower (``resa``'s self-assigned targets);
 - ``needs_labels``: ``labels (B,)``, class indices from the shards (``-1`` unknown);
 - ``needs_negatives``: ``negative_text_features (B, D)``, the text tower's features of one hard-negative
   caption per sample (``negative_captions`` in its json, drawn per epoch), and ``negative_mask (B,)``,
@@ -55,6 +58,7 @@ class Objective(nn.Module):
     needs_targets: bool = False
     needs_labels: bool = False
     needs_negatives: bool = False
+    needs_image_encodings: bool = False
     needs_teacher: bool = False
     needs_sample_index: bool = False
     needs_dataset_size: bool = False

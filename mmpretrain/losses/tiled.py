@@ -7,8 +7,9 @@ the saved inputs. Peak loss-internal memory is a few tiles plus the per-row stat
 * :func:`pair_ce`: per-row InfoNCE ``LSE_j(s a_i.b_j) - s a_i.b_{i+offset}`` and optionally per
   column (both directions of CLIP from one pass over the tiles); :func:`pair_lse` without positives.
 * :func:`softplus_sum`: ``sum_ij softplus(s a_i.b_j + bias)`` minus the positives' logits (SigLIP).
-* :func:`target_matmul`: ``G V`` with ``G = softmax_r(T_rows T_cols^T / tau)`` built tile by tile
-  (the soft-target cross term), gradient into ``V`` only (targets are constants).
+* :func:`target_matmul`: ``G V`` with ``G = softmax_r(T_rows T_cols^T / tau + c)`` built tile by tile
+  (the soft-target cross term; ``c`` Sinkhorn's column scalings for ``resa``), gradient into ``V`` only
+  (targets are constants).
 
 Mixed precision: the forward keeps running log-sum-exps that the backward's recomputed tiles must
 match exactly (``exp(z - LSE)`` has to sum to 1), so both run in at least fp32 with autocast off,
@@ -211,7 +212,7 @@ def softplus_sum(a: torch.Tensor, b: torch.Tensor, scale, bias, chunk: int, offs
 
 class _TargetMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, v, t_rows, t_cols, tau: float, chunk: int):
+    def forward(ctx, v, t_rows, t_cols, tau: float, chunk: int, col_bias=None):
         # one pass with an online softmax (running max and sum, rescaled accumulator), so the
         # normaliser needs no separate pass over the target tiles
         n = t_rows.shape[0]
@@ -223,6 +224,8 @@ class _TargetMatmul(torch.autograd.Function):
             acc = out[i0:i1]
             for j0, j1 in _tiles(t_cols.shape[0], chunk):
                 sim = t_rows[i0:i1] @ t_cols[j0:j1].T / tau
+                if col_bias is not None:
+                    sim += col_bias[None, j0:j1]
                 m_new = torch.maximum(m, sim.max(1).values)
                 alpha = torch.exp(m - m_new)
                 p = torch.exp(sim - m_new[:, None])
@@ -231,7 +234,7 @@ class _TargetMatmul(torch.autograd.Function):
                 m = m_new
             acc.div_(norm[:, None].to(v.dtype))
             lse[i0:i1] = m + torch.log(norm)
-        ctx.save_for_backward(t_rows, t_cols, lse)
+        ctx.save_for_backward(t_rows, t_cols, lse, col_bias)
         ctx.tau, ctx.chunk, ctx.v_dtype = tau, chunk, v.dtype
         return out
 
@@ -242,18 +245,25 @@ class _TargetMatmul(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_out):
-        t_rows, t_cols, row_lse = ctx.saved_tensors
+        t_rows, t_cols, row_lse, col_bias = ctx.saved_tensors
         gv = grad_out.new_zeros((t_cols.shape[0], grad_out.shape[1]))
         for i0, i1 in _tiles(t_rows.shape[0], ctx.chunk):
             for j0, j1 in _tiles(t_cols.shape[0], ctx.chunk):
-                g = torch.exp(t_rows[i0:i1] @ t_cols[j0:j1].T / ctx.tau - row_lse[i0:i1, None]).to(ctx.v_dtype)
+                sim = t_rows[i0:i1] @ t_cols[j0:j1].T / ctx.tau
+                if col_bias is not None:
+                    sim += col_bias[None, j0:j1]
+                g = torch.exp(sim - row_lse[i0:i1, None]).to(ctx.v_dtype)
                 gv[j0:j1] += g.T @ grad_out[i0:i1]
-        return gv, None, None, None, None
+        return gv, None, None, None, None, None
 
 
-def target_matmul(v: torch.Tensor, t_rows: torch.Tensor, t_cols: torch.Tensor, tau: float, chunk: int) -> torch.Tensor:
-    """``softmax_r(t_rows t_cols^T / tau) @ v`` for ``v (m, D)``, ``t_rows (n, E)``, ``t_cols (m, E)``
-    (targets detached); the gradient flows into ``v``."""
+def target_matmul(v: torch.Tensor, t_rows: torch.Tensor, t_cols: torch.Tensor, tau: float, chunk: int,
+                  col_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``softmax_r(t_rows t_cols^T / tau + col_bias) @ v`` for ``v (m, D)``, ``t_rows (n, E)``, ``t_cols
+    (m, E)``, ``col_bias (m,)`` (targets detached; Sinkhorn's column scalings in ``resa``); the gradient
+    flows into ``v``."""
     with _no_autocast(v):
         v, t_rows, t_cols = _full(v, t_rows.detach(), t_cols.detach())
-        return _TargetMatmul.apply(v, t_rows, t_cols, tau, chunk)
+        if col_bias is not None:
+            col_bias = col_bias.detach().to(t_rows.dtype)
+        return _TargetMatmul.apply(v, t_rows, t_cols, tau, chunk, col_bias)

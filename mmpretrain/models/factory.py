@@ -240,10 +240,19 @@ class DualEncoder(nn.Module):
         tokens: torch.Tensor | None = None,
         target_embeddings: torch.Tensor | None = None,
         negative_tokens: torch.Tensor | None = None,
+        encodings: bool = False,
     ) -> dict[str, torch.Tensor]:
         """``images (B, 3, H, W)``, ``tokens (B, L)``, ``target_embeddings (B, E)``; ``negative_tokens (B, L)``
-        (hard negatives) are encoded in the same text pass and returned as ``negative_text_features``."""
-        image_features = self.clip.encode_image(images, normalize=True)
+        (hard negatives) are encoded in the same text pass and returned as ``negative_text_features``;
+        ``encodings``: also ``image_encodings``, the image tower's pooled output before its projection
+        (detached: targets are made of it, never trained through it)."""
+        enc = None
+        if encodings:
+            pooled = pre_projection(self.clip.visual, images)
+            enc = pooled.detach()
+            image_features = F.normalize(pooled @ self.clip.visual.proj, dim=-1)
+        else:
+            image_features = self.clip.encode_image(images, normalize=True)
         negative = None
         if self.text_from_targets:
             text_features = F.normalize(self.clip.text.proj(target_embeddings.to(image_features.dtype)), dim=-1)
@@ -261,7 +270,23 @@ class DualEncoder(nn.Module):
             "logit_scale": scale.exp().reshape(()),  # 0-dim also when built as a vector for FSDP
             "logit_bias": bias.reshape(()) if bias is not None else None,
             **({"negative_text_features": negative} if negative is not None else {}),
+            **({"image_encodings": enc} if enc is not None else {}),
         }
+
+
+def has_pre_projection(visual: nn.Module) -> bool:
+    """Whether the image tower's output before its projection can be taken (open_clip's ViT: ``proj``)."""
+    return isinstance(getattr(visual, "proj", None), torch.Tensor)
+
+
+def pre_projection(visual: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """open_clip ViT's pooled output before ``proj`` (``visual(x) == pre_projection(visual, x) @ proj``)."""
+    proj = visual.proj
+    try:
+        visual.proj = None
+        return visual(images)
+    finally:
+        visual.proj = proj
 
 
 def check_text_from_targets(model_cfg: dict, targets_model: str) -> None:

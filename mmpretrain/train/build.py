@@ -102,10 +102,19 @@ def shard_sharing_note(plan: StreamPlan) -> str | None:
 def build_objective_for(cfg: ExperimentConfig, rank: int, world_size: int, dataset_size: int,
                         index_size: int | None = None) -> WeightedObjective:
     try:
-        return build_objective([t.model_dump() for t in cfg.loss], rank=rank, world_size=world_size,
-                               dataset_size=dataset_size, index_size=index_size)
+        objective = build_objective([t.model_dump() for t in cfg.loss], rank=rank, world_size=world_size,
+                                    dataset_size=dataset_size, index_size=index_size)
+        encodings_from = objective.image_encodings_from
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if encodings_from == "ema" and cfg.train.ema is None:
+        raise ConfigError("loss resa: options.encodings=ema takes the targets from the weight average's image tower "
+                          "(ReSA's momentum encoder): set train.ema (e.g. {decay: 0.99}), or encodings=online")
+    if encodings_from is not None and engine_requested() is not None:
+        raise ConfigError("loss resa reads the image tower's output before its projection, which is not offered "
+                          "under FSDP or DeepSpeed here (the tower's weights are sharded): train it with data "
+                          "parallelism (configs/accelerate/8gpu.yaml)")
+    return objective
 
 
 def target_source(cfg: ExperimentConfig, sources: list[Source], objective: WeightedObjective) -> str:
@@ -173,6 +182,9 @@ def build_model(cfg: ExperimentConfig, objective: WeightedObjective) -> Model:
         module.clip.logit_bias.requires_grad_(False)
     if m.lora is not None:
         apply_lora_note(module, m, engine_requested())
+    if objective.needs_image_encodings and not factory.has_pre_projection(module.clip.visual):
+        raise ConfigError(f"loss resa needs the image tower's output before its projection, which model.arch={m.arch}'s "
+                          f"{type(module.clip.visual).__name__} does not expose (open_clip's ViT towers do)")
     return Model(module, model_cfg, factory.default_preprocess_cfg(model_cfg))
 
 

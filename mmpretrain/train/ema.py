@@ -23,6 +23,7 @@ from torch import nn
 
 from mmpretrain.config import ConfigError, ExperimentConfig
 from mmpretrain.launch import engine_of
+from mmpretrain.models.factory import pre_projection
 from mmpretrain.run_files import EMA_WEIGHTS
 
 __all__ = ["EMA", "EMA_FILE", "make_ema"]
@@ -65,6 +66,16 @@ class EMA:
             for n, s in zip(self.names, self.shadow):
                 s.copy_(saved[n].reshape(s.shape))
 
+    @torch.no_grad()
+    def encodings(self, model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+        """The image tower's pre-projection outputs under the averaged weights (ReSA's momentum encoder),
+        without copying them into the model: the tower is called with the average in place of its trained
+        parameters (its frozen ones are its own)."""
+        prefix = "clip.visual."
+        params = {"visual." + n[len(prefix):]: s.to(p.dtype) for n, s, p in zip(self.names, self.shadow, self.params)
+                  if n.startswith(prefix) and n != prefix + "proj"}
+        return torch.func.functional_call(_PreProjection(model.clip.visual), params, (images,))
+
     @contextlib.contextmanager
     def swapped_in(self):
         """The averaged weights in the model for the block (evaluation), the trained ones back after."""
@@ -78,6 +89,17 @@ class EMA:
             with torch.no_grad():
                 for p, b in zip(self.params, backup):
                     p.copy_(b)
+
+
+class _PreProjection(nn.Module):
+    """The image tower's output before its projection, as a module ``functional_call`` can swap weights in."""
+
+    def __init__(self, visual: nn.Module):
+        super().__init__()
+        self.visual = visual
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return pre_projection(self.visual, images)
 
 
 def make_ema(cfg: ExperimentConfig, acc, module: nn.Module, ckpt) -> EMA | None:

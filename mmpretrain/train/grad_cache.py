@@ -78,7 +78,7 @@ def total_of(out: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def forward_backward(accelerator, model, objective, images, tokens=None, target_emb=None, *,
-                     negative_tokens=None, micro_batch: int | None = None, mode: str = "grad_cache",
+                     negative_tokens=None, encodings: bool = False, micro_batch: int | None = None, mode: str = "grad_cache",
                      finite: Callable[[torch.Tensor], bool] | None = None,
                      context: dict[str, Any] | None = None) -> StepResult:
     """Gradients of the step's loss into the parameters. ``context``: the step context the objective
@@ -92,14 +92,17 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
     gradients of a non-finite loss are discarded with it). In accumulate mode every micro-batch's
     backward has already run when the total is known; a False there only marks the result, and the
     caller discards the accumulated gradients (as it must in every mode when ``finite`` is False).
-    ``negative_tokens (B, L)``: hard-negative captions, encoded with the captions (``negative_text_features``)."""
+    ``negative_tokens (B, L)``: hard-negative captions, encoded with the captions (``negative_text_features``);
+    ``encodings``: the model also returns the image tower's pre-projection ``image_encodings`` (detached)."""
     acc = accelerator
     B = images.shape[0]
     kw = context or {}
     neg = {} if negative_tokens is None else {"negative_tokens": negative_tokens}
+    if encodings:
+        neg["encodings"] = True
 
     def sub_neg(s):
-        return {} if negative_tokens is None else {"negative_tokens": negative_tokens[s]}
+        return {k: v[s] if isinstance(v, torch.Tensor) else v for k, v in neg.items()}
 
     if not micro_batch or micro_batch >= B:
         with acc.autocast():
@@ -131,7 +134,7 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
     if mode != "grad_cache":
         raise ValueError(f"train.micro_batch_mode={mode!r}: grad_cache or accumulate")
     device = images.device
-    states, img, txt, negs = [], [], [], []
+    states, img, txt, negs, encs = [], [], [], [], []
     with torch.no_grad():
         for s in chunks:
             states.append(_rng_state(device))
@@ -141,6 +144,8 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
             txt.append(f["text_features"])
             if negative_tokens is not None:
                 negs.append(f["negative_text_features"])
+            if encodings:  # targets' inputs: no gradient, so cached as they are
+                encs.append(f["image_encodings"])
     after = _rng_state(device)
     # the scale and bias as the forward uses them (clamped; 0-dim), not read off the parameters: under
     # FSDP a rank holds only its shard of them (often nothing)
@@ -155,7 +160,8 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
     with torch.autocast(device.type, enabled=False):
         out = objective(image_features=img, text_features=txt, logit_scale=scale, logit_bias=bias,
                         target_embeddings=target_emb, **kw,
-                        **({"negative_text_features": cached_neg} if cached_neg is not None else {}))
+                        **({"negative_text_features": cached_neg} if cached_neg is not None else {}),
+                        **({"image_encodings": torch.cat(encs)} if encs else {}))
     total = total_of(out)
     ok = True if finite is None else finite(total)
     if not isinstance(ok, torch.Tensor) and not ok:

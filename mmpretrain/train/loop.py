@@ -75,10 +75,14 @@ def train_step(run: Run, batch: dict[str, Any]) -> StepResult:
         elif run.trim_text:  # on the host copy: the used length read on the device would be a sync
             tokens = trim_padding(tokens, cfg.train.text_length_multiple)
         tokens = tokens.to(acc.device, non_blocking=True)
+    context = step_context(run.objective, st.step, batch, acc.device, run.teacher_dims)
+    encodings_from = getattr(run.objective, "image_encodings_from", None)
+    if encodings_from == "ema":  # ReSA's momentum encoder: the weight average's image tower, no gradient
+        with acc.autocast():
+            context["image_encodings"] = run.ema.encodings(acc.unwrap_model(run.model), images)
     res = forward_backward(acc, run.model, run.objective, images, tokens, target_emb, negative_tokens=negative_tokens,
-                           micro_batch=cfg.train.micro_batch_size, mode=cfg.train.micro_batch_mode,
-                           finite=guard.agree,
-                           context=step_context(run.objective, st.step, batch, acc.device, run.teacher_dims))
+                           encodings=encodings_from == "online", micro_batch=cfg.train.micro_batch_size,
+                           mode=cfg.train.micro_batch_mode, finite=guard.agree, context=context)
     res.terms["lr"] = lr
     if isinstance(res.finite, torch.Tensor):  # decided on the device: no host read until the next log step
         ok = res.finite
