@@ -88,6 +88,10 @@ def test_the_assignment_is_reas_and_its_sums():
     more = (LOSSES["resa"](iterations=50).targets(h).sum(0) - 1).abs().max().item()
     assert more < off / 10  # and closer the more it iterates
     assert (a.argmax(1) == torch.arange(B)).all()  # each sample's own encoding is its nearest
+    x, y, _, s = inputs(1)
+    for chunk in (None, 5):  # the logged diagnostic: the mean of A's diagonal, whole and tiled
+        out = LOSSES["resa"](chunk_size=chunk)(image_features=x, text_features=y, logit_scale=s, image_encodings=h)
+        torch.testing.assert_close(out["resa/self_weight"], a.diagonal().mean(), rtol=1e-9, atol=1e-12)
 
 
 def test_gradient_never_reaches_the_encodings_and_refusals():

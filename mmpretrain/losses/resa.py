@@ -42,9 +42,10 @@ def _tiles(n: int, chunk: int | None):
 
 @torch.no_grad()
 def sinkhorn_columns(h_local: torch.Tensor, h_all: torch.Tensor, eps: float, iterations: int,
-                     chunk: int | None = None, world_size: int = 1) -> torch.Tensor:
-    """The column log-scalings ``c (N,)`` with ``A_local = softmax_r(h_local h_all^T / eps + c)``: ReSA's
-    Sinkhorn-Knopp over the gathered batch (``h_all``, every rank's rows; ``h_local`` this rank's)."""
+                     chunk: int | None = None, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(c (N,), lse (b,))``: the column log-scalings with ``A_local = softmax_r(h_local h_all^T / eps + c)``,
+    ReSA's Sinkhorn-Knopp over the gathered batch (``h_all``, every rank's rows; ``h_local`` this rank's),
+    and the rows' log-normaliser of that softmax."""
     n = h_all.shape[0]
     a = h_local.new_zeros(h_local.shape[0])
     c = h_local.new_zeros(n)
@@ -58,15 +59,13 @@ def sinkhorn_columns(h_local: torch.Tensor, h_all: torch.Tensor, eps: float, ite
         if world_size > 1:  # every rank's rows: the column sums over the whole batch
             col = torch.logsumexp(gather_no_grad(col[None], world_size), 0)
         c = -col - log_n
-        if it == iterations - 1:
-            break  # the last row step is the softmax itself
         row = h_local.new_full((h_local.shape[0],), float("-inf"))
         for i0, i1 in _tiles(h_local.shape[0], chunk):
             for j0, j1 in _tiles(n, chunk):
                 z = h_local[i0:i1] @ h_all[j0:j1].T / eps + c[None, j0:j1]
                 row[i0:i1] = torch.logaddexp(row[i0:i1], torch.logsumexp(z, 1))
-        a = -row - log_n
-    return c
+        a = -row - log_n  # after the last column step: the softmax's normaliser (the final row step)
+    return c, row
 
 
 class ResaLoss(Objective):
@@ -98,7 +97,7 @@ class ResaLoss(Objective):
 
     def targets(self, h_local: torch.Tensor) -> torch.Tensor:
         """This rank's rows of ``A`` (whole: for the untiled form and the tests)."""
-        h_local, h_all, c = self._scalings(h_local)
+        h_local, h_all, c, _ = self._scalings(h_local)
         with torch.autocast(h_local.device.type, enabled=False):
             return (h_local @ h_all.T / self.eps + c).softmax(1)
 
@@ -106,8 +105,12 @@ class ResaLoss(Objective):
         with torch.autocast(h_local.device.type, enabled=False):
             h_local = F.normalize(h_local.detach().to(torch.promote_types(h_local.dtype, torch.float32)), dim=-1)
             h_all = gather_no_grad(h_local, self.world_size)
-            c = sinkhorn_columns(h_local, h_all, self.eps, self.iterations, self.chunk_size, self.world_size)
-        return h_local, h_all, c
+            c, lse = sinkhorn_columns(h_local, h_all, self.eps, self.iterations, self.chunk_size, self.world_size)
+            # A_ii, each sample's target on its own caption: 1 is CLIP's one-hot, lower is what the
+            # assignment spreads over other samples (a diagnostic, logged as resa/self_weight)
+            own = c[self.rank * h_local.shape[0]:(self.rank + 1) * h_local.shape[0]]
+            self_weight = torch.exp((h_local * h_local).sum(1) / self.eps + own - lse).mean()
+        return h_local, h_all, c, self_weight
 
     def forward(self, *, image_features: torch.Tensor, text_features: torch.Tensor,
                 logit_scale: torch.Tensor | float, image_encodings: torch.Tensor | None = None,
@@ -120,7 +123,7 @@ class ResaLoss(Objective):
         x, y = image_features, text_features
         all_x = gather_with_grad(x, self.world_size)
         all_y = gather_with_grad(y, self.world_size)
-        h_local, h_all, c = self._scalings(image_encodings)
+        h_local, h_all, c, self_weight = self._scalings(image_encodings)
         if self.chunk_size is not None:
             scale = torch.as_tensor(scale, device=x.device)
             if self.world_size == 1:
@@ -131,11 +134,11 @@ class ResaLoss(Objective):
             ay, ax = target_matmul(torch.cat([all_y, all_x], 1), h_local, h_all, self.eps, self.chunk_size,
                                    col_bias=c).split(x.shape[1], dim=1)
             loss = 0.5 * ((row_i - scale * (x * ay).sum(1)).mean() + (row_t - scale * (y * ax).sum(1)).mean())
-            return {"resa_loss": loss}
+            return {"resa_loss": loss, "resa/self_weight": self_weight}
         with torch.autocast(x.device.type, enabled=False):
             a = (h_local @ h_all.T / self.eps + c).softmax(1)
         logits_i = scale * x @ all_y.T
         logits_t = scale * y @ all_x.T
         ce_i = -(a * F.log_softmax(logits_i.float(), dim=1)).sum(1).mean()
         ce_t = -(a * F.log_softmax(logits_t.float(), dim=1)).sum(1).mean()
-        return {"resa_loss": 0.5 * (ce_i + ce_t)}
+        return {"resa_loss": 0.5 * (ce_i + ce_t), "resa/self_weight": self_weight}

@@ -18,7 +18,10 @@ Variants, each a fresh process per repeat, order rotated per repeat:
 ``open_clip`` (open_clip_train.main), ``ours`` (CLIP), ``ours_soft`` (CLIP + 0.5 soft-target CLIP,
 as the demo), ``ours_regions`` (region-weighted CLIP, scales [5, 10, 20], active from step 0, k-means
 every 20 steps), ``ours_global`` (``global_clip``, FastCLIP-v3; not in the default set: ``--variants ours
-ours_global --image-heavy-arch ''`` writes bench_results/train_global_clip.json, seconds per step over CLIP), ``ours_bf16`` (CLIP under ``train.precision=bf16``: CPU autocast; the CPU's bf16 and
+ours_global --image-heavy-arch ''`` writes bench_results/train_global_clip.json, seconds per step over CLIP),
+``ours_resa`` / ``ours_resa_ema`` (CLIP + 0.5 x resa, online / momentum encodings) and ``ours_negatives``
+(CLIP with hard-negative captions from ``data_tools negatives``): ``--variants ours ours_resa ours_resa_ema
+ours_negatives --image-heavy-arch ''`` writes bench_results/train_objective_cost.json, seconds per step over CLIP, ``ours_bf16`` (CLIP under ``train.precision=bf16``: CPU autocast; the CPU's bf16 and
 fp32 GEMM rates are probed and recorded, since bf16 is native on AVX-512 BF16 / AMX CPUs and
 emulated elsewhere). The fp32 and bf16 runs are also evaluated (zero-shot acc1 on the held-out
 OpenMoji classes) to show what bf16 costs in accuracy. The text-heavy packaged model is where text
@@ -117,6 +120,12 @@ OURS = {  # variant -> overrides of configs/tiny/clip.yaml
     # FastCLIP-v3's objective (per-sample normaliser tables, updated after each accepted step)
     "ours_global": ["loss=[{name: global_clip, options: {gamma: 0.2, gamma_schedule: cosine, gamma_decay_epochs: 5, "
                     "rho: 6.5}}]"],
+    # self-assigned targets (resa, ReSA) beside CLIP at X-CLR's weight: online, and from the weight average
+    "ours_resa": ["loss=[{name: clip}, {name: resa, weight: 0.5}]"],
+    "ours_resa_ema": ["loss=[{name: clip}, {name: resa, weight: 0.5, options: {encodings: ema}}]",
+                      "train.ema={decay: 0.99}"],
+    # CLIP with a hard-negative caption per sample (data_tools negatives' copy of the shards)
+    "ours_negatives": ["loss=[{name: clip, options: {hard_negatives: true}}]", "data.train={negatives}"],
     # ablations (not in the default set): open_clip_train's optimizer kernel, workers at full priority
     "ours_for_loop_adamw": ["loss=[{name: clip}]", "optim.implementation=for_loop"],
     "ours_worker_nice0": ["loss=[{name: clip}]", "data.worker_nice=0"],
@@ -186,6 +195,10 @@ def main() -> int:
         build("demo:openmoji", root, image_size=args.shard_px, shard_size=100, image_format="jpg")
         data = root / "train"
         embed(data, "sentence-transformers/all-MiniLM-L6-v2")
+        if "ours_negatives" in args.variants:
+            from data_tools.negatives import negatives
+
+            negatives(data, root / "train_negatives")
         results = bench_arch(args, args.arch, args.variants, root, Path(tmp) / "main", env)
         heavy = (bench_arch(args, args.image_heavy_arch, IMAGE_HEAVY, root, Path(tmp) / "heavy", env)
                  if args.image_heavy_arch else None)
@@ -204,6 +217,12 @@ def main() -> int:
         runs = extra["global_clip_ratio_runs"]
         path = write_result("train_global_clip", statistics.median(runs), False, 1.05, runs, extra)
         print(f"global_clip / clip seconds per step {statistics.median(runs):.3f} (target <= 1.05) -> {path}")
+    elif any(k in extra for k in ("resa_ratio", "resa_ema_ratio", "negatives_ratio")):
+        # --variants ours ours_resa ours_resa_ema ours_negatives: those objectives' cost over CLIP, their own JSON
+        key = next(k for k in ("resa_ratio", "resa_ema_ratio", "negatives_ratio") if k in extra)
+        runs = extra[key + "_runs"]
+        path = write_result("train_objective_cost", statistics.median(runs), False, 1.5, runs, extra)
+        print(f"{key} seconds per step over clip {statistics.median(runs):.3f} -> {path}")
     return 0
 
 
@@ -218,8 +237,9 @@ def bench_arch(args, arch: str, variants: list[str], root: Path, tmp: Path, env:
         order = variants[rep % len(variants):] + variants[:rep % len(variants)]
         for v in order:
             out = tmp / f"{v}_{rep}"
+            overrides = [o.replace("{negatives}", str(root / "train_negatives")) for o in OURS.get(v, [])]
             cmd = open_clip_cmd(data, pattern, out, run_args) if v == "open_clip" else ours_cmd(data, out, run_args,
-                                                                                                  OURS[v])
+                                                                                                  overrides)
             wall, rss, res = run_tree(cmd, env)
             if res.returncode != 0:
                 print(res.stdout[-2000:], res.stderr[-4000:], file=sys.stderr)
@@ -254,7 +274,8 @@ def summary(results: dict[str, list[dict]], args) -> dict:
         out["runs"] = [round(x, 4) for x in out["ratio_runs"]]
         out["rss_ratio"] = round(med("ours", "peak_rss_mb") / med("open_clip", "peak_rss_mb"), 3)
     for v, key in (("ours_soft", "soft_target_ratio"), ("ours_regions", "regions_ratio"),
-                   ("ours_global", "global_clip_ratio"),
+                   ("ours_global", "global_clip_ratio"), ("ours_resa", "resa_ratio"),
+                   ("ours_resa_ema", "resa_ema_ratio"), ("ours_negatives", "negatives_ratio"),
                    ("ours_for_loop_adamw", "for_loop_adamw_ratio"), ("ours_worker_nice0", "worker_nice0_ratio")):
         if v in results and "ours" in results:  # seconds per step over plain CLIP, same repeat
             runs = [b["samples_per_s"] / r["samples_per_s"] for r, b in zip(results[v], results["ours"])]

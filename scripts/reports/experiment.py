@@ -102,6 +102,12 @@ VARIANTS = {
     # the LiT cell (frozen MiniLM text tower, seed 0, trained on the same split) as the teacher: 3x CLIP's zero-shot
     "clip_distill_lit": lambda steps: distill(1.0, "lit"),
     "distill_lit": lambda steps: distill(0.0, "lit"),
+    # ReSA (issue 55): self-assigned targets from the image tower's own encodings, no frozen model; beside
+    # CLIP at X-CLR's weight (clip_soft_0.5), online and from the weight average (ReSA's momentum encoder)
+    "clip_resa": lambda steps: {"loss": [{"name": "clip"}, {"name": "resa", "weight": 0.5}]},
+    "clip_resa_ema": lambda steps: {"loss": [{"name": "clip"}, {"name": "resa", "weight": 0.5,
+                                                                 "options": {"encodings": "ema"}}],
+                                    "train": {"ema": {"decay": 0.99}}},
     "lit": lambda steps: {"loss": [{"name": "clip"}],
                           "model": {"arch": "mmpt-tiny-vit-minilm", "lock_text": True, "text_from_targets": True,
                                     "overrides": {k: v for k, v in MODEL_OVERRIDES.items() if k != "text_cfg"}}},

@@ -38,11 +38,13 @@ WHAT = {
     "filter": "k-means fit of `data_tools filter --dedup` (faiss, used) / scikit-learn's KMeans, 100,000 rows of 512, "
               "k = 1,703, 20 iterations (the 2.9 M-row synthetic index; the rules' times in performance.md)",
     "train_global_clip": "training step, `global_clip` (FastCLIP-v3) / plain CLIP, seconds per step (tiny config)",
+    "train_objective_cost": "training step, CLIP + 0.5 x `resa` (online) / plain CLIP, seconds per step (tiny config, "
+                            "batch 128); momentum `resa` 1.29x and `hard_negatives` 1.52x in the same run",
     "device_step": "`data.decode=device` crop stage at B = 256 photos (224 px): operator calls per batch, per-image "
                    "(the earlier CUDA path's ops) / batched (Pillow's weights in two matmuls); on this CPU the "
                    "batched stage computes 27x longer (dense products), on a GPU it is off the training thread",
 }
-ORDER = ["train", "train_global_clip", "loader", "loader_photo", "loader_photo_limit", "loader_photo_device_cpu", "device_step", "loss", "regions", "eval", "embed", "teacher_embed", "filter"]
+ORDER = ["train", "train_global_clip", "train_objective_cost", "loader", "loader_photo", "loader_photo_limit", "loader_photo_device_cpu", "device_step", "loss", "regions", "eval", "embed", "teacher_embed", "filter"]
 
 
 def fmt(x: float) -> str:
