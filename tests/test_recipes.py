@@ -20,7 +20,9 @@ GIB = 2**30
 # (objective, options): every objective, each form that changes its matrices
 CASES = [
     ("clip", {}), ("clip", {"local_loss": True}), ("clip", {"gather_with_grad": False}), ("clip", {"chunk_size": 5}),
-    ("clip", {"local_loss": True, "chunk_size": 5}),
+    ("clip", {"local_loss": True, "chunk_size": 5}), ("clip", {"hard_negatives": True}),
+    ("clip", {"hard_negatives": True, "chunk_size": 5}), ("clip", {"hard_negatives": True, "local_loss": True}),
+    ("sigmoid", {"hard_negatives": True}), ("resa", {}), ("resa", {"chunk_size": 5}),
     ("sigmoid", {}), ("sigmoid", {"chunk_size": 5}), ("sigmoid", {"within_view_negatives": True}),
     ("soft_target", {}), ("soft_target", {"chunk_size": 5}), ("soft_target", {"space": "image_image"}),
     ("cwcl", {}), ("distill", {}), ("distill", {"chunk_size": 5}), ("global_clip", {}), ("align_uniform", {}), ("vrn", {}),

@@ -25,6 +25,18 @@ def gather_no_grad(x: torch.Tensor, world_size: int) -> torch.Tensor:
     return torch.cat(out, dim=0)
 
 
+def logsumexp_ranks(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """``log sum_r exp(x_r)`` elementwise over the ranks' ``x`` (no gradient): two all-reduces of ``x``'s
+    size (the max, then the shifted sum), never a ``world x len(x)`` gather."""
+    if world_size == 1:
+        return x
+    m = x.clone()
+    dist.all_reduce(m, op=dist.ReduceOp.MAX)
+    e = (x - m).exp()
+    dist.all_reduce(e)
+    return m + e.log()
+
+
 def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
     """Same value as ``x``; the gradient flowing back through it is multiplied by ``factor``."""
     if factor == 1:

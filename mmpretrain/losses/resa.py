@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from mmpretrain.losses.base import Objective
-from mmpretrain.losses.distributed import gather_no_grad, gather_with_grad
+from mmpretrain.losses.distributed import gather_no_grad, gather_with_grad, logsumexp_ranks
 from mmpretrain.losses.tiled import pair_ce, pair_lse, target_matmul
 
 
@@ -56,8 +56,7 @@ def sinkhorn_columns(h_local: torch.Tensor, h_all: torch.Tensor, eps: float, ite
             for j0, j1 in _tiles(n, chunk):
                 z = h_local[i0:i1] @ h_all[j0:j1].T / eps + a[i0:i1, None]
                 col[j0:j1] = torch.logaddexp(col[j0:j1], torch.logsumexp(z, 0))
-        if world_size > 1:  # every rank's rows: the column sums over the whole batch
-            col = torch.logsumexp(gather_no_grad(col[None], world_size), 0)
+        col = logsumexp_ranks(col, world_size)  # every rank's rows: the column sums over the whole batch
         c = -col - log_n
         row = h_local.new_full((h_local.shape[0],), float("-inf"))
         for i0, i1 in _tiles(h_local.shape[0], chunk):

@@ -5,6 +5,7 @@ feature matrices (``batch x dim``, ``batch x 2 dim``). Tests hold each objective
 
 from __future__ import annotations
 
+import math
 import sys
 from contextlib import ExitStack
 from unittest import mock
@@ -47,11 +48,15 @@ def traced_peak(objective, batch: int, world_size: int, steps: int = 3, seed: in
                 for fn in ("gather_with_grad", "gather_no_grad"):
                     if hasattr(module, fn):
                         stack.enter_context(mock.patch.object(module, fn, _replicate))
+                if hasattr(module, "logsumexp_ranks"):  # world_size copies of this rank's values
+                    stack.enter_context(mock.patch.object(module, "logsumexp_ranks",
+                                                          lambda x, world_size: x + math.log(world_size)))
         # rank 0's broadcasts (regions' centroids) leave its tensors as they are
         stack.enter_context(mock.patch("torch.distributed.broadcast", lambda tensor, src=0, **kw: None))
         for step in range(steps):
             img = torch.randn(batch, DIM, generator=gen, requires_grad=True)
             txt = torch.randn(batch, DIM, generator=gen, requires_grad=True)
+            neg = torch.randn(batch, DIM, generator=gen, requires_grad=True)
             inputs = dict(
                 image_features=F.normalize(img, dim=-1), text_features=F.normalize(txt, dim=-1),
                 logit_scale=torch.tensor(10.0), logit_bias=torch.tensor(-10.0),
@@ -60,6 +65,9 @@ def traced_peak(objective, batch: int, world_size: int, steps: int = 3, seed: in
                 teacher_image_embeddings=torch.randn(batch, 2 * EMB, generator=gen),
                 teacher_text_embeddings=torch.randn(batch, 2 * EMB, generator=gen), teacher_dims=[EMB, EMB],
                 labels=torch.randint(0, 4, (batch,), generator=gen), sample_index=torch.arange(batch) + step * batch,
+                # hard negatives (some samples without one) and the image tower's pre-projection encodings
+                negative_text_features=F.normalize(neg, dim=-1), negative_mask=torch.rand(batch, generator=gen) > 0.3,
+                image_encodings=torch.randn(batch, EMB, generator=gen),
                 step=step * 1000, epoch=step * 1000 + 1)
             with peak:
                 out = objective(**inputs)
