@@ -50,7 +50,7 @@ def sinkhorn_columns(h_local: torch.Tensor, h_all: torch.Tensor, eps: float, ite
     a = h_local.new_zeros(h_local.shape[0])
     c = h_local.new_zeros(n)
     log_n = math.log(n)
-    for it in range(iterations):
+    for _ in range(iterations):
         col = h_local.new_full((n,), float("-inf"))
         for i0, i1 in _tiles(h_local.shape[0], chunk):
             for j0, j1 in _tiles(n, chunk):
