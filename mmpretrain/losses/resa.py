@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from mmpretrain.losses.base import Objective
 from mmpretrain.losses.distributed import gather_no_grad, gather_with_grad, logsumexp_ranks
-from mmpretrain.losses.tiled import pair_ce, pair_lse, target_matmul
+from mmpretrain.losses.tiled import soft_pair_ce
 
 
 def _tiles(n: int, chunk: int | None):
@@ -124,15 +124,8 @@ class ResaLoss(Objective):
         all_y = gather_with_grad(y, self.world_size)
         h_local, h_all, c, self_weight = self._scalings(image_encodings)
         if self.chunk_size is not None:
-            scale = torch.as_tensor(scale, device=x.device)
-            if self.world_size == 1:
-                row_i, row_t = pair_ce(x, y, scale, self.chunk_size, offset=y.shape[0], want_col=True)
-            else:
-                row_i = pair_lse(x, all_y, scale, self.chunk_size)
-                row_t = pair_lse(y, all_x, scale, self.chunk_size)
-            ay, ax = target_matmul(torch.cat([all_y, all_x], 1), h_local, h_all, self.eps, self.chunk_size,
-                                   col_bias=c).split(x.shape[1], dim=1)
-            loss = 0.5 * ((row_i - scale * (x * ay).sum(1)).mean() + (row_t - scale * (y * ax).sum(1)).mean())
+            loss = soft_pair_ce(x, y, all_x, all_y, h_local, h_all, self.eps, scale, self.chunk_size, self.world_size,
+                                col_bias=c)
             return {"resa_loss": loss, "resa/self_weight": self_weight}
         with torch.autocast(x.device.type, enabled=False):
             a = (h_local @ h_all.T / self.eps + c).softmax(1)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from mmpretrain.losses.base import Objective
 from mmpretrain.losses.distributed import gather_no_grad, gather_with_grad
-from mmpretrain.losses.tiled import pair_ce, pair_lse, target_matmul
+from mmpretrain.losses.tiled import pair_lse, soft_pair_ce, target_matmul
 
 
 def soft_targets(local_t: torch.Tensor, all_t: torch.Tensor, tau: float, mask_offset: int | None = None):
@@ -135,15 +135,5 @@ class SoftTargetLoss(Objective):
         """``CE_i = LSE_i - sum_j G_ij z_ij``: LSEs from tiles, the cross term as ``x_i . (G Y)_i``
         with ``G Y`` built tile by tile. Bias cancels (rows of G sum to 1)."""
         # the tiled functions run in at least fp32 (tiled.py); the targets stay in theirs
-        scale = torch.as_tensor(scale, device=x.device)
-        if self.world_size == 1:
-            row_i, row_t = pair_ce(x, y, scale, self.chunk_size, offset=y.shape[0], want_col=True)
-        else:
-            row_i = pair_lse(x, all_y, scale, self.chunk_size)
-            row_t = pair_lse(y, all_x, scale, self.chunk_size)
-        # one pass over the target tiles serves both directions: G [Y | X]
-        gy, gx = target_matmul(torch.cat([all_y, all_x], 1), t_local, t_all, self.target_temperature,
-                               self.chunk_size).split(x.shape[1], dim=1)
-        cross_i = scale * (x * gy).sum(1)
-        cross_t = scale * (y * gx).sum(1)
-        return 0.5 * ((row_i - cross_i).mean() + (row_t - cross_t).mean())
+        return soft_pair_ce(x, y, all_x, all_y, t_local, t_all, self.target_temperature, scale, self.chunk_size,
+                            self.world_size)

@@ -267,3 +267,21 @@ def target_matmul(v: torch.Tensor, t_rows: torch.Tensor, t_cols: torch.Tensor, t
         if col_bias is not None:
             col_bias = col_bias.detach().to(t_rows.dtype)
         return _TargetMatmul.apply(v, t_rows, t_cols, tau, chunk, col_bias)
+
+
+def soft_pair_ce(x: torch.Tensor, y: torch.Tensor, all_x: torch.Tensor, all_y: torch.Tensor, t_rows: torch.Tensor,
+                 t_cols: torch.Tensor, tau: float, scale, chunk: int, world_size: int,
+                 col_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The symmetric soft-target cross-entropy of this rank's rows, ``G = softmax_r(t_rows t_cols^T / tau +
+    col_bias)``: ``1/2 [mean_i (LSE_j(s x_i.y_j) - s x_i.(G Y)_i) + mean_i (LSE_j(s y_i.x_j) - s y_i.(G X)_i)]``
+    (rows of ``G`` sum to 1, so the LSE enters once), LSEs from tiles and ``G [Y | X]`` from one pass over the
+    target tiles (``soft_target``'s frozen-text ``G``, ``resa``'s Sinkhorn assignment)."""
+    scale = torch.as_tensor(scale, device=x.device)
+    if world_size == 1:
+        row_i, row_t = pair_ce(x, y, scale, chunk, offset=y.shape[0], want_col=True)
+    else:
+        row_i = pair_lse(x, all_y, scale, chunk)
+        row_t = pair_lse(y, all_x, scale, chunk)
+    gy, gx = target_matmul(torch.cat([all_y, all_x], 1), t_rows, t_cols, tau, chunk,
+                           col_bias=col_bias).split(x.shape[1], dim=1)
+    return 0.5 * ((row_i - scale * (x * gy).sum(1)).mean() + (row_t - scale * (y * gx).sum(1)).mean())

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings, also when imported by path
+from experiment_finetune import cell, delta, run  # noqa: E402  (the evidence generator's rule, one copy)
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ["model.arch=mmpt-tiny-vit", "model.lock_text=false", "model.text_from_targets=false",
@@ -39,13 +40,6 @@ METHODS = {"clip": ["loss=[{name: clip}]"],
 METRICS = {"sugar_crepe/swap_obj/acc": "swap acc", "sugar_crepe/replace_obj/acc": "replace acc",
            "openmoji/acc1": "zero-shot acc1", "openmoji/image_retrieval_recall@5": "image R@5",
            "openmoji/text_retrieval_recall@5": "text R@5"}
-
-
-def run(cmd: list[str]) -> subprocess.CompletedProcess:
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.exit(f"failed ({r.returncode}): {' '.join(cmd)}\n{r.stderr[-3000:]}")
-    return r
 
 
 def train(run_dir: Path, data: Path, steps: int, seed: int, extra: list[str]) -> dict:
@@ -70,19 +64,6 @@ def evaluate(model: Path, sugar_crepe: Path, openmoji: Path, out: Path) -> dict[
         prefix = e["dataset"] if e["dataset"].startswith("sugar_crepe") else "openmoji"
         metrics.update({f"{prefix}/{k}": v for k, v in e["metrics"].items()})
     return metrics
-
-
-def cell(values: list[float]) -> str:
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.3f} ± {sd:.3f}"
-
-
-def delta(values: list[float], ref: list[float]) -> str:
-    n = len(values)
-    d = statistics.mean(values) - statistics.mean(ref)
-    sd = lambda v: statistics.stdev(v) if len(v) > 1 else 0.0  # noqa: E731
-    bound = 2 * math.sqrt(sd(values) ** 2 / n + sd(ref) ** 2 / n)
-    return f"{d:+.3f}{'*' if abs(d) > bound else ''}"
 
 
 def main() -> int:
