@@ -284,3 +284,4 @@ def test_negatives_command_then_training_counts_malformed_lists(openmoji, tmp_pa
     assert r.returncode == 0, r.stderr[-3000:]
     log = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
     assert log[-1]["skipped"].get("bad_negative_captions") == 2
+    assert 0.9 < log[-1]["clip/negative_share"] <= 1.0  # almost every caption got a negative

@@ -120,6 +120,8 @@ class ClipLoss(Objective):
         if self.chunk_size is None:
             # a logit bias shifts every logit of a row equally: cross-entropy ignores it
             loss = 0.5 * (F.cross_entropy(logits_i, labels) + F.cross_entropy(logits_t, labels))
+        if negatives:  # logged: 0 says the data carry no negative_captions (the option then costs, buys nothing)
+            return {"clip_loss": loss, "clip/negative_share": mask.mean()}
         return {"clip_loss": loss}
 
     def _tiled(self, x, y, all_x, all_y, cols, col_bias, scale):

@@ -84,4 +84,5 @@ class SigmoidLoss(Objective):
             mask = gather_no_grad(negative_mask.to(device=x.device, dtype=torch.float32), self.world_size)
             all_n = gather_with_grad(negative_text_features.to(all_y.dtype), self.world_size)
             loss = loss + self._sum(x, all_n, logit_scale, logit_bias, col_bias=(1 - mask) * MASKED)
+            return {"sigmoid_loss": loss / b, "sigmoid/negative_share": mask.mean()}
         return {"sigmoid_loss": loss / b}
