@@ -5,16 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import webdataset as wds
-
+from data_tools.emoji_bed import build_openmoji_all
+from data_tools.writers import BuildError, labelled_samples, write_clip_benchmark_wds
 from mmpretrain.data.manifest import MANIFEST, SIZES, read_sizes, write_json_atomic
-from mmpretrain.data.tar import read_tar
+
+__all__ = ["BuildError", "build", "check_source_and_out", "recorded_files", "write_clip_benchmark_wds"]
 
 DEMO_SOURCES = ("demo:openmoji", "demo:openmoji-all", "demo:mnist")
-
-
-class BuildError(RuntimeError):
-    """Raised for a build that cannot start (bad arguments): exit code 2."""
 
 
 WDS_FILES = ("classnames.txt", "zeroshot_classification_templates.txt")
@@ -121,30 +118,6 @@ def _claim_out(out: Path, manifest: dict, overwrite: bool) -> None:
     write_json_atomic(marker, {"source": manifest["source"], "options": manifest["options"]})
 
 
-def write_clip_benchmark_wds(root: Path, labelled: list[dict], classnames: list[str], templates: list[str]) -> None:
-    """clip_benchmark's offline ``wds`` layout rooted at ``root``: ``classnames.txt``,
-    ``zeroshot_classification_templates.txt``, ``test/nshards.txt``, ``test/{i}.tar`` with ``cls``."""
-    (root / "test").mkdir(parents=True, exist_ok=True)
-    (root / "classnames.txt").write_text("\n".join(classnames) + "\n", encoding="utf-8")
-    (root / "zeroshot_classification_templates.txt").write_text("\n".join(templates) + "\n", encoding="utf-8")
-    with wds.TarWriter(str(root / "test" / "0.tar"), encoder=False) as w:
-        for s in labelled:
-            w.write(s)
-    (root / "test" / "nshards.txt").write_text("1\n")
-
-
-def _labelled(folder: Path, image_format: str) -> list[dict]:
-    """The labelled samples of a built split, as clip_benchmark's ``wds`` samples (``cls``)."""
-    labelled = []
-    for shard in sorted(read_sizes(folder)):
-        for s in read_tar(folder / shard):
-            meta = json.loads(s["json"])
-            if "label" in meta:
-                labelled.append({"__key__": s["__key__"], image_format: s[image_format], "txt": s["txt"],
-                                 "cls": str(meta["label"]).encode()})
-    return labelled
-
-
 def build_mnist(out: Path, image_size: int, shard_size: int, limit: int | None, image_format: str,
                 workers: int = 1) -> dict:
     """``demo:mnist`` (data_tools/sources/mnist.py): ``train/`` (4,000 captioned digits), ``test/``
@@ -168,7 +141,7 @@ def build_mnist(out: Path, image_size: int, shard_size: int, limit: int | None, 
         res[split] = build_parallel(mnist.MnistSplit(items), out / split, prefix=f"mnist-{split}", shard_size=shard_size,
                                     workers=workers, opts=opts,
                                     manifest=dict(common, split=split, classnames=mnist.CLASSNAMES))
-    labelled = _labelled(out / "test", image_format)
+    labelled = labelled_samples(out / "test", image_format)
     write_clip_benchmark_wds(out, labelled, mnist.CLASSNAMES, list(mnist.TEMPLATES))
     images, targets = mnist.load_digits_images()
     digits = []
@@ -207,7 +180,7 @@ def build_openmoji(out: Path, image_size: int, shard_size: int, limit: int | Non
                                     prefix=f"openmoji-{split}", shard_size=shard_size, workers=workers, opts=opts,
                                     manifest=dict(common, split=split, **extra))
     # The labelled held-out samples, again in clip_benchmark's layout (DIR is its dataset root).
-    labelled = _labelled(out / "test", image_format)
+    labelled = labelled_samples(out / "test", image_format)
     write_clip_benchmark_wds(out, labelled, classes, list(openmoji.TEMPLATES))
     summary = {
         "train": res["train"]["samples"],
@@ -241,8 +214,6 @@ def build(source: str, out: str | Path, *, image_size: int, shard_size: int, lim
             raise BuildError(f"--second-style is for demo:openmoji-all (the Noto images of its held-out emoji), not {source}")
         _check_out(out, overwrite)
         if source == "demo:openmoji-all":
-            from data_tools.emoji_bed import build_openmoji_all
-
             return build_openmoji_all(out, image_size, shard_size, limit, image_format or "png", workers, second_style)
         demo = build_mnist if source == "demo:mnist" else build_openmoji
         return demo(out, image_size, shard_size, limit, image_format or "png", workers)

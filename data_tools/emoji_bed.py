@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from data_tools.build import BuildError, _labelled, write_clip_benchmark_wds
 from data_tools.images import encode, prepare
 from data_tools.parallel import build_parallel
 from data_tools.sources import openmoji_all
+from data_tools.writers import BuildError, labelled_samples, write_clip_benchmark_wds
 from mmpretrain.data.manifest import write_json_atomic
 
 TEMPLATES = ("{c}", "a {c} emoji", "an emoji of a {c}", "an icon of a {c}", "a drawing of a {c}")
@@ -52,7 +52,7 @@ def build_openmoji_all(out: Path, image_size: int, shard_size: int, limit: int |
                                     prefix=f"openmoji-all-{split}", shard_size=shard_size, workers=workers, opts=opts,
                                     manifest=dict(common, split=split, classnames=classes,
                                                   extra_captions=sum(len(e.captions) for e in items)))
-    labelled = _labelled(out / "test", image_format)
+    labelled = labelled_samples(out / "test", image_format)
     write_clip_benchmark_wds(out, labelled, classes, list(TEMPLATES))
     per_class = [0] * len(classes)
     for s in labelled:

@@ -10,7 +10,8 @@ import open_clip
 import pytest
 
 from mmpretrain.train.layer_decay import layer_decay_groups
-from mmpretrain.train.schedule import _no_decay, lr_at
+from mmpretrain.train.layer_decay import no_decay_rule as _no_decay
+from mmpretrain.train.schedule import lr_at
 
 from conftest import setup_run
 

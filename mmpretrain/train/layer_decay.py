@@ -19,7 +19,13 @@ from collections import defaultdict
 
 from torch import nn
 
-__all__ = ["layer_decay_groups", "layer_decay_note", "layer_of", "tower_depths"]
+
+def no_decay_rule(name: str, p: nn.Parameter) -> bool:
+    """open_clip's rule: no weight decay on biases, norms (gains), logit scale and bias, embeddings of dim < 2."""
+    return p.ndim < 2 or "bn" in name or "ln" in name or "norm" in name or "bias" in name or "logit_scale" in name
+
+
+__all__ = ["layer_decay_groups", "layer_decay_note", "layer_of", "no_decay_rule", "tower_depths"]
 
 # block index inside a tower: open_clip's transformers, timm's trunks, Hugging Face encoders
 _BLOCK = re.compile(r"(?:resblocks|blocks|encoder\.layers?|layers)\.(\d+)\.")
@@ -99,9 +105,7 @@ def layer_decay_groups(model: nn.Module, weight_decay: float, decay: float,
 def layer_decay_note(module: nn.Module, o) -> str:
     """The learning-rate table ``optim.layer_decay`` gives: per tower and layer, its scale of ``optim.lr``
     and how many trained parameters it holds."""
-    from mmpretrain.train.schedule import _no_decay
-
-    _, table = layer_decay_groups(module, o.weight_decay, o.layer_decay, _no_decay)
+    _, table = layer_decay_groups(module, o.weight_decay, o.layer_decay, no_decay_rule)
     depths = tower_depths(module)
     lines = [f"note: optim.layer_decay={o.layer_decay}: lr x layer_decay^(L + 1 - layer) per tower "
              f"({', '.join(f'{t} L={d}' for t, d in sorted(depths.items()))}; layer 0 embeddings, L + 1 the head)",

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from mmpretrain.config import ConfigError, ExperimentConfig
+from mmpretrain.train.layer_decay import layer_decay_groups, no_decay_rule
 
 
 @dataclass(frozen=True)
@@ -56,22 +57,15 @@ def lr_at(step: int, *, base_lr: float, warmup_steps: int, total_steps: int, min
     return floor + 0.5 * (base_lr - floor) * (1 + math.cos(math.pi * progress))
 
 
-def _no_decay(name: str, p: nn.Parameter) -> bool:
-    # open_clip's rule: no weight decay on biases, norms (gains), logit scale and bias, embeddings of dim < 2
-    return p.ndim < 2 or "bn" in name or "ln" in name or "norm" in name or "bias" in name or "logit_scale" in name
-
-
 def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | None = None) -> list[dict]:
     """AdamW's groups: decayed and not (open_clip's rule); with ``layer_decay`` one group per tower layer
     and decay, each with its ``lr_scale`` (:mod:`mmpretrain.train.layer_decay`)."""
     if layer_decay is not None:
-        from mmpretrain.train.layer_decay import layer_decay_groups
-
-        return layer_decay_groups(model, weight_decay, layer_decay, _no_decay)[0]
+        return layer_decay_groups(model, weight_decay, layer_decay, no_decay_rule)[0]
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (no_decay if _no_decay(name, p) else decay).append(p)
+            (no_decay if no_decay_rule(name, p) else decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
