@@ -30,6 +30,7 @@ demo: setup
 	$(BIN)/python -m mmpretrain.eval --model $(RUN) --dataset $(DATA) $(DATA)/test \
 	    --task zeroshot_classification zeroshot_retrieval --output $(RUN)/results.json; \
 	$(BIN)/python -m mmpretrain.export $(RUN) --out $(RUN)/export > /dev/null; \
+	$(BIN)/python scripts/reports/demo_table.py --from $(RUN)/results.json; \
 	echo "demo done in $$(( $$(date +%s) - start )) s: results in $(RUN)/results.json, export in $(RUN)/export"
 
 test: setup

@@ -365,3 +365,17 @@ def test_evaluation_during_training_keeps_a_locked_tower_locked(openmoji, tmp_pa
     assert with_eval == without
     clip = evaluated.accelerator.unwrap_model(evaluated.model).clip
     assert not clip.text.training and clip.visual.training
+
+
+def test_two_runs_of_the_demo_config_train_the_same_weights_bit_for_bit(openmoji, demo_run, tmp_path):
+    """The README's determinism sentence: the demo config, run again with the same data and overrides as
+    the shared demo run (4 steps), gives the same weights and loss log to the last bit on this machine."""
+    from conftest import DEMO_RUN
+
+    again = tmp_path / "again"
+    r = train(openmoji / "train", again, "train.steps=4", *DEMO_RUN)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ckpt = "checkpoints/step_00000004/model.safetensors"
+    a, b = load_file(demo_run / ckpt), load_file(again / ckpt)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _losses(demo_run) == _losses(again)
