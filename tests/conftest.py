@@ -91,8 +91,8 @@ def script(path: str):
     return module
 
 
-MAINS = {"mmpretrain.train": "mmpretrain.train.cli", "mmpretrain.eval": "mmpretrain.eval.__main__",
-         "mmpretrain.export": "mmpretrain.export", "data_tools": "data_tools.__main__"}
+MAINS = {"mmpretrain.train": "mmpretrain.train.cli", "mmpretrain.eval": "mmpretrain.eval.cli",
+         "mmpretrain.export": "mmpretrain.export.cli", "data_tools": "data_tools.cli"}
 
 
 @contextlib.contextmanager

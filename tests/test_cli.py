@@ -48,7 +48,7 @@ def test_a_normal_run_prints_no_library_load_reports(openmoji, tmp_path):
     for p in (openmoji / "train").iterdir():
         if p.suffix == ".tar" or p.name == "sizes.json":
             shutil.copy(p, data / p.name)
-    code = ("import sys; from data_tools.__main__ import main as data_tools; from mmpretrain.train.cli import main as "
+    code = ("import sys; from data_tools.cli import main as data_tools; from mmpretrain.train.cli import main as "
             f"train; sys.exit(data_tools(['embed', {str(data)!r}, '--model', {TEXT_MODEL!r}]) or train(['--config', "
             f"{str(ROOT / 'configs/demo.yaml')!r}, 'data.train={data}', 'run_dir={tmp_path / 'run'}', 'train.steps=2', "
             "'train.epochs=null', 'data.num_workers=0', 'optim.warmup_steps=1', 'train.progress=false']))")

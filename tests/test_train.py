@@ -211,7 +211,7 @@ def test_hub_push_uses_the_api_and_never_exposes_the_token(openmoji, tmp_path, m
     there is no network); the token is read by huggingface_hub from the environment, never by us."""
     import huggingface_hub
 
-    from mmpretrain.export import main as export_main
+    from mmpretrain.export.cli import main as export_main
     from mmpretrain.train import fit
 
     secret = "hf_" + "x" * 30

@@ -1,5 +1,5 @@
 import sys
 
-from mmpretrain.export import main
+from mmpretrain.export.cli import main
 
 sys.exit(main())

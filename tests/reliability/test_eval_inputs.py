@@ -90,7 +90,7 @@ BROKEN = [  # (change, task, exit code, words of the message)
 
 @pytest.mark.parametrize("change, task, code, words", BROKEN, ids=[b[0].__name__[1:] for b in BROKEN])
 def test_broken_eval_data_is_one_clear_line(openmoji, tmp_path, capsys, change, task, code, words):
-    from mmpretrain.eval.__main__ import main
+    from mmpretrain.eval.cli import main
 
     data = _wds_copy(openmoji, tmp_path / "wds")
     change(data)
@@ -104,7 +104,7 @@ def test_broken_eval_data_is_one_clear_line(openmoji, tmp_path, capsys, change, 
 
 def test_output_that_is_not_a_results_file_is_refused_before_evaluating(openmoji, tmp_path, capsys, monkeypatch):
     import mmpretrain.models.load as loading
-    from mmpretrain.eval.__main__ import main
+    from mmpretrain.eval.cli import main
 
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     notes = tmp_path / "notes.txt"
@@ -121,7 +121,7 @@ def test_output_that_is_not_a_results_file_is_refused_before_evaluating(openmoji
 
 
 def test_undecodable_eval_images_are_skipped_and_counted(openmoji, tmp_path, capsys):
-    from mmpretrain.eval.__main__ import main
+    from mmpretrain.eval.cli import main
 
     data = _wds_copy(openmoji, tmp_path / "wds")
     hit = []

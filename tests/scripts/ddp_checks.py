@@ -119,7 +119,7 @@ def main(plan_path: str) -> None:
         report["train_exit"] = train(plan["train"])
         ok = report["train_exit"] == 0
     if ok and plan.get("eval"):
-        from mmpretrain.eval.__main__ import main as evaluate
+        from mmpretrain.eval.cli import main as evaluate
 
         report["eval_exit"] = evaluate(plan["eval"])
         ok = report["eval_exit"] == 0
