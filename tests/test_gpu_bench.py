@@ -190,8 +190,7 @@ def test_end_to_end_windows_stay_in_one_epoch(batch, workers, steps):
     whole batches per worker: no side's window reaches an epoch boundary."""
     from conftest import script
 
-    script("scripts/bench/gpu_bench.py")  # gpu_end_to_end imports it
-    e2e = script("scripts/bench/gpu_end_to_end.py")
+    e2e = script("scripts/bench/gpu_end_to_end.py")  # standalone: it imports gpu_common, not gpu_bench
     n = e2e.images_needed(batch, workers, steps)
     used = e2e.warmup_steps(workers) + steps + e2e.SYNC_STEPS  # the first warm-up step counts the FLOPs
     assert e2e.warmup_steps(workers) >= 2 * workers * e2e.PREFETCH

@@ -60,9 +60,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))  # the device machine runs the checkout: mmpretrain is not pip-installed there
-sys.path.insert(0, str(ROOT / "scripts/bench"))  # gpu_end_to_end
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings: gpu_common, gpu_end_to_end
+from gpu_common import ROOT, count_flops, sync  # noqa: E402  (also puts the checkout on sys.path)
 
 # dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device name; --peak-tflops overrides
 PEAKS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0,
@@ -72,13 +71,6 @@ ENGINES = {"ddp": "1gpu", "fsdp": "fsdp", "deepspeed": "deepspeed-zero2"}
 # any engine's consolidated checkpoint the same way) runs once, on the FSDP run
 STAGES = {"ddp": ("train", "resume"), "fsdp": ("train", "resume", "eval", "export"),
           "deepspeed": ("train", "resume", "export")}
-
-
-def sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def peak_tflops(device, override: float | None) -> tuple[float | None, str]:
@@ -102,14 +94,6 @@ def timed(fn, steps: int, device) -> float:
         fn()
     sync(device)
     return (time.perf_counter() - t0) / steps
-
-
-def count_flops(fn) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as counter:
-        fn()
-    return counter.get_total_flops()
 
 
 # ------------------------------------------------------------------------------------------------ step
