@@ -238,21 +238,22 @@ def image_input(cfg: ExperimentConfig, model: Model, device: torch.device, dtype
 
 
 def build_loader(cfg: ExperimentConfig, data: Data, model: Model, objective: WeightedObjective, target_from: str,
-                 position: StreamPosition | None, rank: int, pin_memory: bool, embedding_dim: int | None = None,
-                 images: ImageInput | None = None):
+                 position: StreamPosition | None, rank: int, pin_memory: bool, embedding_dim: int | None,
+                 images: ImageInput, tokenizer):
     """The rank's loader; ``position``: a restored stream position to continue from (None: the start);
-    ``images``: the run's image input (its loader transform; default: open_clip's training transform)."""
+    ``images``: the run's image input (its loader transform, made once in setup); ``tokenizer``: the run's
+    (None when the text side is the stored embeddings)."""
     size = model.preprocess_cfg["size"]
-    transform = images.transform if images is not None else train_transform(cfg, model)[0]
+    transform = images.transform
     decoder = SampleDecoder(  # no whole-image draft: the fast crop path reduces from the crop box itself
         transform,
         embeddings={"shards": "require", "online": "ignore", "none": "ignore"}[target_from],
         labels=objective.needs_labels, embedding_dim=embedding_dim, max_pixels=cfg.data.max_pixels,
-        captions=cfg.data.captions, device_decode=images is not None and images.device_decode,
+        captions=cfg.data.captions, device_decode=images.device_decode,
         teacher=objective.needs_teacher, negatives=objective.needs_negatives,
     )
     stream = TrainStream(data.plan, decoder, rank, start=position.state() if position is not None else None,
-                         tokenizer=None if cfg.model.text_from_targets else factory.make_tokenizer(model.model_cfg))
+                         tokenizer=tokenizer)
     d = cfg.data
     context = 0 if cfg.model.text_from_targets else model.model_cfg.get("text_cfg", {}).get("context_length", 77)
     batch = host_memory.batch_bytes(d.batch_size, size, context, embedding_dim or 0)
@@ -346,8 +347,10 @@ def setup(cfg: ExperimentConfig) -> Run:
     state = TrainState(build_position(data.plan, saved, rank, world, ckpt))
     # the augmentation ends in uint8 in the loader; normalisation (and data.decode=device) on the device
     images = image_input(cfg, model, acc.device, input_dtype(acc), teacher=teacher_dims is not None)
+    tokenizer = factory.make_tokenizer(model.model_cfg)  # made once: the loader's and the run's
     loader = build_loader(cfg, data, model, objective, target_from, state.position if saved is not None else None, rank,
-                          acc.device.type == "cuda", embedding_dim(cfg, data.sources, target_from, model), images)
+                          acc.device.type == "cuda", embedding_dim(cfg, data.sources, target_from, model), images,
+                          None if cfg.model.text_from_targets else tokenizer)
     configure_engine(cfg, acc, data.schedule)
     try:  # every rank: under FSDP and DeepSpeed each writes its shard of every checkpoint
         disk_note = check_disk(files, model.module, cfg.train.keep_last, engine_of(acc.distributed_type))
@@ -378,7 +381,7 @@ def setup(cfg: ExperimentConfig) -> Run:
                               num_workers=cfg.eval.num_workers, rank=rank, world_size=world)
     run = Run(cfg, acc, module, objective, optimizer, loader, data.schedule, files, state,
               preprocess=image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=False),
-              tokenizer=factory.make_tokenizer(model.model_cfg), target_encoder=target_encoder,
+              tokenizer=tokenizer, target_encoder=target_encoder,
               trim_text=factory.trims_text(model.module.clip), evaluator=evaluator,
               log=JsonlLog(files.log, records) if acc.is_main_process else None, images=images,
               teacher_dims=teacher_dims, ema=ema)

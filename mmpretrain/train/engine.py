@@ -55,7 +55,7 @@ def make_accelerator(cfg: ExperimentConfig) -> Accelerator:
     if cfg.train.precision == "fp16" and cpu:  # accelerate's loss scaling needs one
         raise ConfigError("train.precision=fp16 needs a GPU; on a CPU use train.precision=bf16 (autocast) or no")
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION")  # the accelerate config's mixed_precision
-    wanted = "no" if cfg.train.precision == "fp32" else cfg.train.precision
+    wanted = cfg.train.precision  # "fp32" is normalised to "no" by the config (TrainConfig), nowhere else
     if launched and launched != wanted and os.environ.get("RANK", "0") == "0":
         print(f"note: train.precision={cfg.train.precision} decides the precision; the accelerate config's "
               f"mixed_precision={launched} is not used (set train.precision={launched} for it)", file=sys.stderr)
