@@ -133,6 +133,10 @@ def _check_out(src: Path, out: Path, overwrite: bool) -> None:
                          "wrote: choose an empty folder")
     if (out / SIZES).is_file() and not overwrite:
         raise BuildError(f"--out {out} already holds a dataset ({out / SIZES}); pass --overwrite to replace it")
+    pending = isinstance(record, dict) and record.get("pending") is True
+    if ours and not (overwrite or pending):  # e.g. a manifest.json of the user's, with no run of ours behind it
+        raise BuildError(f"--out {out} holds {sorted(ours)[0].name}, which no interrupted run of this command left: "
+                         "pass --overwrite to replace it, or choose another --out")
     for f in sorted(ours):  # only what an earlier command wrote (its sizes.json's shards, manifest, sizes)
         f.unlink(missing_ok=True)
 

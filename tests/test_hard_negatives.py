@@ -260,6 +260,13 @@ def test_negatives_command_then_training_counts_malformed_lists(openmoji, tmp_pa
     assert run_main("data_tools", "negatives", str(openmoji / "train"), "--out", str(cut), "--seed", "3").returncode == 0
     assert (cut / "notes.txt").read_text() == "mine" and not list(cut.glob("*.tmp"))
     assert list(read_tar(cut / names[-1])) == list(read_tar(again / names[-1]))  # the same samples (tar mtimes differ)
+    # a manifest.json no run of ours left (no sizes.json, no pending record): refused, kept
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "manifest.json").write_text('{"source": "my notes"}')
+    r = run_main("data_tools", "negatives", str(openmoji / "train"), "--out", str(mine))
+    assert r.returncode == 2 and "--overwrite" in r.stderr
+    assert (mine / "manifest.json").read_text() == '{"source": "my notes"}'
     (cut / "sizes.json").unlink()
     shutil.copy(shard, cut / "theirs.tar")
     r = run_main("data_tools", "negatives", str(openmoji / "train"), "--out", str(cut))
