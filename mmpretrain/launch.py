@@ -31,12 +31,6 @@ class Process:
             self.state.wait_for_everyone()
 
 
-def engine_of(distributed_type) -> str:
-    """accelerate's ``DistributedType`` as its bare name (``FSDP``, ``DEEPSPEED``, ``MULTI_GPU``, ``NO``...),
-    whether given the enum or its string."""
-    return str(distributed_type).rsplit(".", 1)[-1]
-
-
 def current_process() -> Process:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # accelerate costs ~2 s to import: only launched (multi-process) runs pay for it

@@ -266,7 +266,7 @@ def test_aug_cfg_is_checked_before_training():
     from types import SimpleNamespace
 
     from mmpretrain.config import ConfigError, load_config
-    from mmpretrain.train.build import train_transform
+    from mmpretrain.train.inputs import train_transform
 
     def cfg(*aug):
         return load_config(ROOT / "configs/tiny/clip.yaml", list(aug))

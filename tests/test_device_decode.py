@@ -14,11 +14,11 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+from mmpretrain.data.collate import collate
 from mmpretrain.data.crop import ResizedCrop
 from mmpretrain.data.decode import SampleDecoder, augmentation_seed
 from mmpretrain.data.device_decode import KEYS, DeviceDecoder
 from mmpretrain.data.jpeg import device_jpeg
-from mmpretrain.data.stream import collate
 from mmpretrain.testing.photos import bad_huffman, make_jpegs
 
 from conftest import TEXT_MODEL, run_main, setup_run, train

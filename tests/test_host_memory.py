@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from mmpretrain.data import host_memory
-from mmpretrain.data.stream import collate
+from mmpretrain.data.collate import collate
 
 from conftest import SHORT, train
 

@@ -102,7 +102,7 @@ def test_the_training_stream_over_a_faulty_server_is_the_local_stream(openmoji, 
     mid-epoch position continues it exactly."""
     from test_loader import _batches, _plan, _same
 
-    from mmpretrain.data.stream import StreamPosition
+    from mmpretrain.data.position import StreamPosition
 
     names = sorted(json.loads((openmoji / "train/sizes.json").read_text()))
     proxy = FaultProxy(http_server.port, "drop", after=20_000, times=6)

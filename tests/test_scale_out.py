@@ -39,7 +39,8 @@ def test_cc3m_sized_plan_on_64_gpus_x_8_workers_reads_every_sample_once():
             for seg in main + spares:
                 for i in range(seg.start, seg.stop, 97):  # a sample every 97 (the full set is 2.9M)
                     assert owner.setdefault((seg.shard, i), reader) == reader, (seg, reader)
-            assert all(plan.offsets[s.shard] + s.stop <= plan.offsets[s.shard] + plan.sizes[s.shard] for s in main)
+            assert all(plan.shards[s.shard].offset + s.stop <= plan.shards[s.shard].offset + plan.shards[s.shard].size
+                       for s in main)
         # every position is covered: the ranges of all readers tile [0, ranks * steps * batch)
         covered = sum(s.stop - s.start for r in range(plan.readers) for s in plan.reader_layout(epoch, r)[0])
         assert covered == 64 * plan.steps_per_epoch * 128 == sum(sizes) - plan.dropped_per_epoch

@@ -127,15 +127,15 @@ def test_in_tar_embeddings_still_train(openmoji, tmp_path):
                                         ("{test}", "records none of the shards")])
 def test_data_embeddings_errors_name_the_setting(openmoji, tmp_path, bad, words):
     from mmpretrain.config import ConfigError, load_config
-    from mmpretrain.train.build import build_data
+    from mmpretrain.train.build import load_sources
 
     bad = bad.replace("{test}", str(openmoji / "test"))  # the held-out split's embeddings
     cfg = load_config(ROOT / "configs/demo.yaml", [f"data.train={openmoji / 'train'}",
                                                    f"data.embeddings={bad.replace('{tmp}', str(tmp_path))}"])
     with pytest.raises(ConfigError, match="data.embeddings"):
-        build_data(cfg, 1)
+        load_sources(cfg)
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
-        build_data(cfg, 1)
+        load_sources(cfg)
 
 
 def test_embed_remote_shards_by_pattern_into_a_local_folder(openmoji, tmp_path):

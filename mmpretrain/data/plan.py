@@ -31,6 +31,32 @@ class Segment:
     stop: int
 
 
+@dataclass(frozen=True)
+class Shard:
+    """One shard as the stream reads it, built once from its source (:func:`shards_of`)."""
+
+    url: str
+    offset: int  # the global index of its first sample (shards in data.train order)
+    size: int  # samples read: its count in sizes.json, or its kept samples with data.keep
+    full_size: int  # its count in sizes.json (sample positions run over these)
+    embeddings: Any = None  # its source's SourceEmbeddings (mmpretrain.data.sidecar), None: none beside it
+    teachers: Any = None  # its source's SourceTeachers (mmpretrain.data.teacher), None: no teacher read
+    keep: Any = None  # data.keep: its ShardKeep (mmpretrain.data.keep; kept positions), None: every sample
+
+
+def shards_of(sources: list[Source]) -> list[Shard]:
+    """Every source's shards in order, each with its global offset: sample ``i`` of a shard (its position
+    in the shard, also with a keep-list, so an index names the same sample filtered or not) has the
+    global index ``offset + i``."""
+    out, offset = [], 0
+    for s in sources:
+        for i, url in enumerate(s.urls):
+            full = (s.full_sizes or s.sizes)[i]
+            out.append(Shard(url, offset, s.sizes[i], full, s.embeddings, s.teachers, s.keep[i] if s.keep else None))
+            offset += full
+    return out
+
+
 @dataclass
 class StreamPlan:
     """Everything the stream is a function of (besides the epoch and position)."""
@@ -45,17 +71,7 @@ class StreamPlan:
     shuffle_block: int
 
     def __post_init__(self):
-        self.urls = [u for s in self.sources for u in s.urls]
-        self.sizes = [n for s in self.sources for n in s.sizes]  # samples read per shard (kept ones with data.keep)
-        self.full_sizes = [n for s in self.sources for n in (s.full_sizes or s.sizes)]  # the shards' counts
-        # data.keep: per shard its ShardKeep (mmpretrain.data.keep; kept positions), None: every sample
-        self.keep = [s.keep[i] if s.keep else None for s in self.sources for i in range(len(s.urls))]
-        # each shard's sidecar embeddings (mmpretrain.data.sidecar.SourceEmbeddings), None: none beside it
-        self.embeddings = [s.embeddings for s in self.sources for _ in s.urls]
-        self.teachers = [s.teachers for s in self.sources for _ in s.urls]  # SourceTeachers (teacher.py) or None
-        # the global index of sample i of shard k is offsets[k] + i (shards in data.train order; i its position
-        # in the shard, also with a keep-list, so an index names the same sample filtered or not)
-        self.offsets = np.cumsum([0] + self.full_sizes[:-1]).tolist() if self.sizes else []
+        self.shards = shards_of(self.sources)
         self.readers = self.world_size * self.workers
         # every rank takes `steps` batches an epoch; its batch n comes from worker n % workers (the
         # DataLoader's round robin), so a worker's share of an epoch is a whole number of batches that
@@ -66,6 +82,10 @@ class StreamPlan:
                 f"{self.num_samples} samples per epoch cannot fill one batch of {self.batch_size} on each of "
                 f"{self.world_size} rank(s); lower data.batch_size"
             )
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.shards]
 
     @property
     def steps_per_epoch(self) -> int:
@@ -92,14 +112,14 @@ class StreamPlan:
     def identity(self) -> dict[str, Any]:
         """What a saved position is only valid for."""
         kept = [(s.keep_record or {}).get("digest") for s in self.sources]
-        digest = hashlib.sha1(json_bytes([self.urls, self.sizes, [s.weight for s in self.sources]]
+        digest = hashlib.sha1(json_bytes([self.urls, [s.size for s in self.shards], [s.weight for s in self.sources]]
                                          + ([kept] if any(kept) else []))).hexdigest()
         return {"layout": LAYOUT, "mode": self.mode, "seed": self.seed, "world_size": self.world_size, "workers": self.workers,
                 "batch_size": self.batch_size, "num_samples": self.num_samples,
                 "shuffle_block": self.shuffle_block, "data": digest[:16]}
 
     def shard_order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.urls)))
+        order = list(range(len(self.shards)))
         random.Random(f"{self.seed}:{epoch}").shuffle(order)
         return order
 
@@ -107,7 +127,7 @@ class StreamPlan:
         """Segments covering positions ``[a, b)`` of the concatenation of ``order``'s shards."""
         out, pos = [], 0
         for shard in order:
-            n = self.sizes[shard]
+            n = self.shards[shard].size
             lo, hi = max(a, pos), min(b, pos + n)
             if lo < hi:
                 out.append(Segment(shard, lo - pos, hi - pos))
@@ -143,7 +163,7 @@ class StreamPlan:
     @property
     def total(self) -> int:
         """Samples in one pass over every shard (kept ones with data.keep)."""
-        return sum(self.sizes)
+        return sum(s.size for s in self.shards)
 
     def drawn_segments(self, epoch: int, reader: int) -> Iterator[Segment]:
         """Resampled mode: whole shards drawn with replacement, without end."""
@@ -153,7 +173,7 @@ class StreamPlan:
         while True:
             src = rng.choices(range(len(self.sources)), weights=weights)[0]
             shard = offsets[src] + rng.randrange(len(self.sources[src].urls))
-            yield Segment(shard, 0, self.sizes[shard])
+            yield Segment(shard, 0, self.shards[shard].size)
 
 
 def json_bytes(obj: Any) -> bytes:

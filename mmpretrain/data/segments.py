@@ -8,7 +8,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from mmpretrain.data.plan import Segment
+from mmpretrain.data.plan import Segment, Shard
 from mmpretrain.data.tar import UNREADABLE, read_tar
 
 log = logging.getLogger("mmpretrain.data.stream")
@@ -19,14 +19,8 @@ class SegmentReader:
     ``__index__``; an unreadable position comes back as the reason string. Shards whose reading failed:
     ``failed_shards``; samples beyond a shard's ``sizes.json`` count (never read): ``uncounted``."""
 
-    def __init__(self, urls: list[str], offsets: list[int], sizes: list[int], segments: Iterator[Segment],
-                 embeddings: list | None = None, teachers: list | None = None, keep: list | None = None,
-                 full_sizes: list[int] | None = None):  # data.keep: per shard its ShardKeep or None (segments
-        # then count kept samples; full_sizes: the shards' counts)
-        self.urls, self.offsets, self.sizes, self.keep = urls, offsets, sizes, keep or [None] * len(urls)
-        self.full_sizes, self.key_warned = full_sizes or sizes, set()
-        # per shard: its SourceTeachers (mmpretrain.data.teacher) and its SourceEmbeddings, or None
-        self.teachers, self.embeddings, self.segments = teachers, embeddings, segments
+    def __init__(self, shards: list[Shard], segments: Iterator[Segment]):
+        self.shards, self.segments, self.key_warned = shards, segments, set()
         self.shard_teacher: tuple[int, Any] | None = None
         self.shard_emb: tuple[int, Any] | None = None  # (shard, ShardEmbeddings) of the shard last opened
         self.seg: Segment | None = None
@@ -48,8 +42,8 @@ class SegmentReader:
     def _check_tail(self) -> None:
         """A segment read to its shard's counted end: samples after it are beyond sizes.json."""
         seg = self.seg
-        if (self.it is None or self.failed or seg.stop != self.sizes[seg.shard]
-                or self.next_in_shard != self.full_sizes[seg.shard] or seg.shard in self.tails_checked):
+        if (self.it is None or self.failed or seg.stop != self.shards[seg.shard].size
+                or self.next_in_shard != self.shards[seg.shard].full_size or seg.shard in self.tails_checked):
             return
         self.tails_checked.add(seg.shard)
         try:
@@ -58,26 +52,34 @@ class SegmentReader:
             extra = 0
         if extra:
             log.warning("shard %s holds %d sample(s) beyond its sizes.json count %d: they are never read; "
-                        "rebuild sizes.json (python -m data_tools verify)", self.urls[seg.shard], extra,
-                        self.full_sizes[seg.shard])
+                        "rebuild sizes.json (python -m data_tools verify)", self.shards[seg.shard].url, extra,
+                        self.shards[seg.shard].full_size)
             self.uncounted += extra
 
-    def _sidecar(self, shard: int):
-        if self.shard_emb is None or self.shard_emb[0] != shard:
-            self.shard_emb = (shard, self.embeddings[shard].for_shard(self.urls[shard], self.full_sizes[shard]))
+    def _sidecar(self, k: int):
+        if self.shard_emb is None or self.shard_emb[0] != k:
+            shard = self.shards[k]
+            self.shard_emb = (k, shard.embeddings.for_shard(shard.url, shard.full_size))
         return self.shard_emb[1]
+
+    def _teacher(self, k: int):
+        if self.shard_teacher is None or self.shard_teacher[0] != k:
+            shard = self.shards[k]
+            self.shard_teacher = (k, shard.teachers.for_shard(shard.url, shard.full_size))
+        return self.shard_teacher[1]
 
     def get(self, pos: int) -> dict[str, Any] | str:
         self._advance_to(pos)
         seg = self.seg
         self.last_shard = seg.shard
         local = seg.start + pos - self.seg_pos  # among the shard's samples read (its kept ones with data.keep)
-        keep = self.keep[seg.shard]
+        shard = self.shards[seg.shard]
+        keep = shard.keep
         at = int(keep.positions[local]) if keep is not None else local  # the shard position
         if self.failed:
             return self.failed
         if self.it is None or at < self.next_in_shard:
-            self.it = read_tar(self.urls[seg.shard], skip=at)
+            self.it = read_tar(shard.url, skip=at)
             self.next_in_shard = at
         try:
             while self.next_in_shard < at:  # skip without decoding
@@ -89,24 +91,22 @@ class SegmentReader:
                 if seg.shard not in self.key_warned and not self.key_warned.add(seg.shard):
                     log.warning("shard %s: sample %d is %r, the keep-list says %r: the shard changed after "
                                 "filtering (its other mismatches are counted as keep_key_mismatch); run `python -m "
-                                "data_tools filter` again", self.urls[seg.shard], at, raw["__key__"], want)
+                                "data_tools filter` again", shard.url, at, raw["__key__"], want)
                 return "keep_key_mismatch"
-            raw["__index__"] = self.offsets[seg.shard] + at
-            if self.embeddings is not None and self.embeddings[seg.shard] is not None:
+            raw["__index__"] = shard.offset + at
+            if shard.embeddings is not None:
                 side = self._sidecar(seg.shard)
                 raw["__emb__"] = side.row(at, raw["__key__"])
                 raw["__emb_extra__"] = side.extra(at) if raw["__emb__"] is not None else None
-            if self.teachers is not None and self.teachers[seg.shard] is not None:
-                if self.shard_teacher is None or self.shard_teacher[0] != seg.shard:
-                    self.shard_teacher = (seg.shard, self.teachers[seg.shard].for_shard(self.urls[seg.shard], self.full_sizes[seg.shard]))
-                raw["__teacher__"] = self.shard_teacher[1].rows(at, raw["__key__"])
+            if shard.teachers is not None:
+                raw["__teacher__"] = self._teacher(seg.shard).rows(at, raw["__key__"])
             self._check_tail()
             return raw
         except StopIteration:
             self.failed = "missing_in_shard"  # fewer samples than sizes.json says
         except UNREADABLE as e:
-            if self.urls[seg.shard] not in self.failed_shards:  # said once per reader
-                log.warning("shard %s unreadable at sample %d: %s", self.urls[seg.shard], at, e)
+            if shard.url not in self.failed_shards:  # said once per reader
+                log.warning("shard %s unreadable at sample %d: %s", shard.url, at, e)
             self.failed = "unreadable_shard"
-        self.failed_shards.add(self.urls[seg.shard])
+        self.failed_shards.add(shard.url)
         return self.failed

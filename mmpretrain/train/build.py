@@ -14,21 +14,11 @@ from accelerate.utils import set_seed
 from open_clip.transform import PreprocessCfg, image_transform_v2
 
 from mmpretrain.config import ConfigError, ExperimentConfig, flat_config, to_yaml
-from mmpretrain.data import host_memory, urls
-from mmpretrain.data.crop import ResizedCrop
-from mmpretrain.data.decode import SampleDecoder, split_normalize
-from mmpretrain.data.device_decode import DeviceDecoder
-from mmpretrain.data.image_input import ImageInput
-from mmpretrain.data.keep import attach_keep
 from mmpretrain.data.manifest import provenance_record
-from mmpretrain.data.plan import StreamPlan
-from mmpretrain.data.sidecar import attach_embeddings, check_extra_rows, recorded, stored_dim
-from mmpretrain.data.sources import Source, resolve_sources
-from mmpretrain.data.stream import StreamPosition, TrainStream, make_loader
-from mmpretrain.data.teacher import attach_teachers
+from mmpretrain.data.sidecar import check_extra_rows, recorded, stored_dim
+from mmpretrain.data.sources import Source
 from mmpretrain.eval import Evaluator, expand_jobs, load_task_data
 from mmpretrain.hub_cache import offline, require_model
-from mmpretrain.launch import engine_of
 from mmpretrain.losses import WeightedObjective, build_objective
 from mmpretrain.models import factory
 from mmpretrain.models.lora import apply_lora_note
@@ -37,19 +27,26 @@ from mmpretrain.run_files import JsonlLog, RunFolder, provenance
 from mmpretrain.train.checkpoint import build_position, check_layout, decide_resume, restore_state
 from mmpretrain.train.disk import CheckpointWriteError, check_disk
 from mmpretrain.train.ema import make_ema
-from mmpretrain.train.engine import configure_engine, engine_requested, input_dtype, make_accelerator
+from mmpretrain.train.engine import (
+    configure_engine,
+    engine_name,
+    input_dtype,
+    make_accelerator,
+    sharded_engine,
+)
+from mmpretrain.train.inputs import (
+    Data,
+    attach_teachers_for,
+    build_data,
+    build_loader,
+    image_input,
+    load_sources,
+    samples_per_epoch,
+    shard_sharing_note,
+)
 from mmpretrain.train.layer_decay import layer_decay_note
-from mmpretrain.train.schedule import Schedule, param_groups, resolve_schedule
+from mmpretrain.train.schedule import param_groups
 from mmpretrain.train.state import Run, TrainState, numeric
-
-
-@dataclass
-class Data:
-    """The training data as planned: sources, the stream plan and the schedule it implies."""
-
-    sources: list[Source]
-    plan: StreamPlan
-    schedule: Schedule
 
 
 @dataclass
@@ -61,46 +58,9 @@ class Model:
     preprocess_cfg: dict
 
 
-def build_data(cfg: ExperimentConfig, world_size: int) -> Data:
-    # process-wide, before the loader workers fork (they inherit it): every remote read of the run
-    urls.configure(urls.RemoteOptions(**cfg.data.remote.model_dump()))
-    try:
-        sources = resolve_sources(cfg.data.train, cfg.data.weights)
-        attach_embeddings(sources, cfg.data.embeddings)
-        attach_keep(sources, cfg.data.keep)  # the kept counts replace the shards' (sample indices stay theirs)
-        total = sum(s.num_samples for s in sources)
-        plan = StreamPlan(sources, cfg.data.mode, cfg.seed, world_size, max(1, cfg.data.num_workers),
-                          cfg.data.batch_size, cfg.data.num_samples or total, cfg.data.shuffle_buffer)
-    except (FileNotFoundError, ValueError) as e:
-        raise ConfigError(str(e)) from None
-    return Data(sources, plan, resolve_schedule(cfg, plan.steps_per_epoch, plan.num_samples, world_size))
-
-
-def teachers_for(cfg: ExperimentConfig, data: Data, objective: WeightedObjective) -> list[int] | None:
-    """The stored teachers' widths when the objective distills from them (attached to the sources and the
-    plan), else None."""
-    if not objective.needs_teacher:
-        return None
-    try:
-        dims = attach_teachers(data.sources, cfg.data.embeddings)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    data.plan.teachers = [s.teachers for s in data.sources for _ in s.urls]
-    return dims
-
-
-def shard_sharing_note(plan: StreamPlan) -> str | None:
-    """A note when readers outnumber shards in epoch mode: ranges then start inside shards, and a
-    remote shard is streamed from its start by each reader whose range it holds."""
-    if plan.mode != "epoch" or plan.readers <= len(plan.urls):
-        return None
-    return (f"{plan.readers} readers ({plan.world_size} rank(s) x {plan.workers} worker(s)) share {len(plan.urls)} "
-            f"shard(s): each reads its own range of them (remote shards are streamed up to the range; write smaller "
-            "shards with data_tools build --shard-size to read less)")
-
-
 def build_objective_for(cfg: ExperimentConfig, rank: int, world_size: int, dataset_size: int,
-                        index_size: int | None = None) -> WeightedObjective:
+                        index_size: int | None = None, sharded: str | None = None) -> WeightedObjective:
+    """The configured objective; ``sharded``: the engine (FSDP, DeepSpeed) when the weights are sharded."""
     try:
         objective = build_objective([t.model_dump() for t in cfg.loss], rank=rank, world_size=world_size,
                                     dataset_size=dataset_size, index_size=index_size)
@@ -110,7 +70,7 @@ def build_objective_for(cfg: ExperimentConfig, rank: int, world_size: int, datas
     if encodings_from == "ema" and cfg.train.ema is None:
         raise ConfigError("loss resa: options.encodings=ema takes the targets from the weight average's image tower "
                           "(ReSA's momentum encoder): set train.ema (e.g. {decay: 0.99}), or encodings=online")
-    if encodings_from is not None and engine_requested() is not None:
+    if encodings_from is not None and sharded is not None:
         raise ConfigError("loss resa reads the image tower's output before its projection, which is not offered "
                           "under FSDP or DeepSpeed here (the tower's weights are sharded): train it with data "
                           "parallelism (configs/accelerate/8gpu.yaml)")
@@ -150,8 +110,9 @@ def embedding_dim(cfg: ExperimentConfig, sources: list[Source], target_from: str
     return dim
 
 
-def build_model(cfg: ExperimentConfig, objective: WeightedObjective) -> Model:
-    """The dual encoder, with the objective's preferred initial logit scale and bias (seeded)."""
+def build_model(cfg: ExperimentConfig, objective: WeightedObjective, sharded: str | None = None) -> Model:
+    """The dual encoder, with the objective's preferred initial logit scale and bias (seeded); ``sharded``:
+    the engine (FSDP, DeepSpeed) when the weights are sharded."""
     m = cfg.model
     try:
         model_cfg = factory.resolve_model_cfg(m.arch, m.text_model, m.overrides)
@@ -169,7 +130,7 @@ def build_model(cfg: ExperimentConfig, objective: WeightedObjective) -> Model:
             model_cfg, pretrained=m.pretrained, arch=m.arch, lock_text=m.lock_text, text_from_targets=m.text_from_targets,
             lock_text_unlocked_layers=m.lock_text_unlocked_layers, lock_image=m.lock_image,
             lock_image_unlocked_groups=m.lock_image_unlocked_groups, grad_checkpointing=m.grad_checkpointing,
-            nonscalar_logit_scale=engine_requested() is not None, max_logit_scale=cfg.train.max_logit_scale,
+            nonscalar_logit_scale=sharded is not None, max_logit_scale=cfg.train.max_logit_scale,
         )
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
@@ -181,95 +142,11 @@ def build_model(cfg: ExperimentConfig, objective: WeightedObjective) -> Model:
     if module.clip.logit_bias is not None and not objective.uses_logit_bias:
         module.clip.logit_bias.requires_grad_(False)
     if m.lora is not None:
-        apply_lora_note(module, m, engine_requested())
+        apply_lora_note(module, m, sharded)
     if objective.needs_image_encodings and not factory.has_pre_projection(module.clip.visual):
         raise ConfigError(f"loss resa needs the image tower's output before its projection, which model.arch={m.arch}'s "
                           f"{type(module.clip.visual).__name__} does not expose (open_clip's ViT towers do)")
     return Model(module, model_cfg, factory.default_preprocess_cfg(model_cfg))
-
-
-def train_transform(cfg: ExperimentConfig, model: Model):
-    """``(loader transform, DeviceNormalize)``: open_clip's training transform for the model's
-    preprocessing and ``data.aug_cfg``, its augmentation in the loader (the fast crop path when it is the
-    plain random resized crop), its normalisation on the device."""
-    import warnings
-
-    from open_clip.transform import AugmentationCfg
-
-    aug = {k: v for k, v in cfg.data.aug_cfg.items() if v is not None}
-    if not aug.get("use_timm"):  # what open_clip's own transform reads; it would warn and ignore the rest
-        unused = sorted({"ratio", "re_prob", "re_count"} & set(aug))
-        if "color_jitter" in aug and not aug.get("color_jitter_prob"):
-            unused.append("color_jitter")
-        if unused:
-            raise ConfigError(f"data.aug_cfg: open_clip ignores {unused} without use_timm: true "
-                              "(color_jitter needs color_jitter_prob); set use_timm or remove them")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Unused augmentation cfg items")  # its list includes what it used
-        try:
-            full = image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=True,
-                                      aug_cfg=AugmentationCfg(**cfg.data.aug_cfg))
-        except ImportError as e:
-            raise ConfigError(f"data.aug_cfg.use_timm needs timm: pip install timm ({e})") from None
-        except (AssertionError, TypeError, ValueError) as e:
-            why = str(e) or "color_jitter_prob needs color_jitter as four numbers"
-            raise ConfigError(f"open_clip rejects data.aug_cfg={cfg.data.aug_cfg}: {why}") from None
-    return split_normalize(full, fast=True)
-
-
-def image_input(cfg: ExperimentConfig, model: Model, device: torch.device, dtype: torch.dtype | None = None,
-                teacher: bool = False) -> ImageInput:
-    """The run's :class:`~mmpretrain.data.image_input.ImageInput`: open_clip's training transform in the
-    loader, its normalisation on the device and, with ``data.decode=device`` (read here only), the
-    device decoder. ``teacher``: the objective trains on stored teacher crops."""
-    transform, normalize = train_transform(cfg, model)
-    if teacher and not isinstance(transform, ResizedCrop):
-        raise ConfigError(f"the objective trains on the teacher's stored crops, which replay open_clip's plain random "
-                          f"resized crop; data.aug_cfg={cfg.data.aug_cfg} adds other augmentations: keep only scale in "
-                          "data.aug_cfg (the stored crops set it), or drop distill from loss")
-    decoder = None
-    if cfg.data.decode == "device":
-        if not isinstance(transform, ResizedCrop):
-            raise ConfigError(f"data.decode=device decodes and crops with open_clip's plain random resized crop; "
-                              f"data.aug_cfg={cfg.data.aug_cfg} runs torchvision's or timm's transform, which "
-                              "only the workers run: set data.decode=worker, or keep only scale in data.aug_cfg")
-        decoder = DeviceDecoder(transform, device, normalize, channels_last=cfg.train.channels_last)
-    return ImageInput(transform, normalize, decoder, cfg.train.channels_last, dtype)
-
-
-def build_loader(cfg: ExperimentConfig, data: Data, model: Model, objective: WeightedObjective, target_from: str,
-                 position: StreamPosition | None, rank: int, pin_memory: bool, embedding_dim: int | None,
-                 images: ImageInput, tokenizer):
-    """The rank's loader; ``position``: a restored stream position to continue from (None: the start);
-    ``images``: the run's image input (its loader transform, made once in setup); ``tokenizer``: the run's
-    (None when the text side is the stored embeddings)."""
-    size = model.preprocess_cfg["size"]
-    transform = images.transform
-    decoder = SampleDecoder(  # no whole-image draft: the fast crop path reduces from the crop box itself
-        transform,
-        embeddings={"shards": "require", "online": "ignore", "none": "ignore"}[target_from],
-        labels=objective.needs_labels, embedding_dim=embedding_dim, max_pixels=cfg.data.max_pixels,
-        captions=cfg.data.captions, device_decode=images.device_decode,
-        teacher=objective.needs_teacher, negatives=objective.needs_negatives,
-    )
-    stream = TrainStream(data.plan, decoder, rank, start=position.state() if position is not None else None,
-                         tokenizer=tokenizer)
-    d = cfg.data
-    context = 0 if cfg.model.text_from_targets else model.model_cfg.get("text_cfg", {}).get("context_length", 77)
-    batch = host_memory.batch_bytes(d.batch_size, size, context, embedding_dim or 0)
-    ranks = host_memory.local_ranks()
-    try:
-        host_memory.check_shm(host_memory.shm_bytes(batch, d.num_workers, d.prefetch_factor, ranks), batch,
-                              d.num_workers, d.prefetch_factor, ranks)
-    except ValueError as e:
-        raise ConfigError(f"data: {e}") from None
-    if pin_memory and not host_memory.pin(batch):
-        pin_memory = False
-        if rank == 0:
-            print(f"note: batches of {batch / 2**20:.0f} MiB are not pinned (over {host_memory.PIN_MAX >> 20} MiB: "
-                  "the pinned allocator would round each up to a power of two)", file=sys.stderr)
-    return make_loader(stream, d.num_workers, pin_memory=pin_memory, worker_nice=d.worker_nice,
-                       prefetch_factor=d.prefetch_factor)
 
 
 def make_optimizer(cfg: ExperimentConfig, module: torch.nn.Module) -> torch.optim.Optimizer:
@@ -322,25 +199,26 @@ def setup(cfg: ExperimentConfig) -> Run:
     check_outside_inputs(cfg)
     eval_jobs = load_eval_data(cfg) if cfg.eval is not None else []
     acc = make_accelerator(cfg)
-    rank, world = acc.process_index, acc.num_processes
+    rank, world, sharded = acc.process_index, acc.num_processes, sharded_engine(acc)
     files = RunFolder(cfg.resolved_run_dir)
     ckpt, saved = decide_resume(acc, cfg, files)
     if ckpt is not None:
-        check_layout(ckpt, acc.distributed_type)
-    data = build_data(cfg, world)
+        check_layout(ckpt, engine_name(acc))
+    sources = load_sources(cfg)
+    # sample indices run over every source's shards (sizes.json): the per-sample tables' length
+    objective = build_objective_for(cfg, rank, world, samples_per_epoch(cfg, sources), sharded=sharded,
+                                    index_size=sum(sum(s.full_sizes or s.sizes) for s in sources))
+    teacher_dims = attach_teachers_for(cfg, sources, objective)
+    data = build_data(cfg, sources, world)  # the plan's shard records carry everything attached
     if acc.is_main_process and (note := shard_sharing_note(data.plan)):
         print(f"note: {note}", file=sys.stderr)
-    # sample indices run over every source's shards (sizes.json): the per-sample tables' length
-    objective = build_objective_for(cfg, rank, world, data.schedule.num_samples,
-                                    index_size=sum(data.plan.full_sizes))
     target_from = target_source(cfg, data.sources, objective)  # shards / online / none
-    teacher_dims = teachers_for(cfg, data, objective)
     if target_from == "online":
         try:
             require_model(cfg.targets.model, "targets.model")
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    model = build_model(cfg, objective)
+    model = build_model(cfg, objective, sharded)
     # the same initial weights on every rank (seeded above), then each rank its own random stream, so
     # that dropout and patch dropout draw different masks on different ranks (seed + rank)
     set_seed(cfg.seed, device_specific=True)
@@ -353,7 +231,7 @@ def setup(cfg: ExperimentConfig) -> Run:
                           None if cfg.model.text_from_targets else tokenizer)
     configure_engine(cfg, acc, data.schedule)
     try:  # every rank: under FSDP and DeepSpeed each writes its shard of every checkpoint
-        disk_note = check_disk(files, model.module, cfg.train.keep_last, engine_of(acc.distributed_type))
+        disk_note = check_disk(files, model.module, cfg.train.keep_last, engine_name(acc))
     except CheckpointWriteError as e:
         raise ConfigError(str(e)) from None
     if disk_note and acc.is_main_process:
@@ -369,10 +247,10 @@ def setup(cfg: ExperimentConfig) -> Run:
     records = restore_state(acc, objective, state, files, ckpt, saved) if saved is not None else []
     acc.wait_for_everyone()
     if acc.is_main_process:
-        largest = objective.largest_matrix(cfg.data.batch_size)
+        largest = objective.largest_matrix(data.schedule.batch_size)
         label = " + ".join(getattr(objective, "names", None) or [getattr(objective, "name", "the objective")])
         print(f"note: {label} builds at most {largest:,} elements per matrix on a rank "
-              f"({largest * 4 / 2**20:,.1f} MiB in fp32) at {cfg.data.batch_size} x {world} samples", file=sys.stderr)
+              f"({largest * 4 / 2**20:,.1f} MiB in fp32) at {data.schedule.batch_size} x {world} samples", file=sys.stderr)
         write_run_files(files, cfg, data, model, target_from, world, records, largest)
     acc.wait_for_everyone()
     evaluator = None

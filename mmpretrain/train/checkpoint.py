@@ -28,11 +28,11 @@ from safetensors.torch import load_file, save_file
 
 from mmpretrain.config import ConfigError, ExperimentConfig, config_defaults, flat_config
 from mmpretrain.data.plan import StreamPlan
-from mmpretrain.data.stream import StreamPosition
-from mmpretrain.launch import engine_of
+from mmpretrain.data.position import StreamPosition
 from mmpretrain.losses import WeightedObjective
 from mmpretrain.run_files import EMA_WEIGHTS, MODEL_WEIGHTS, OBJECTIVE_STATE, TRAIN_STATE, RunFolder
 from mmpretrain.train.disk import CheckpointWriteError, disk_full, free_bytes
+from mmpretrain.train.engine import engine_name
 from mmpretrain.train.state import TrainState
 
 __all__ = ["Resume", "build_position", "check_layout", "check_resume", "checkpoint_layout", "choose_resume",
@@ -59,7 +59,7 @@ def save_checkpoint(accelerator, files: RunFolder, step: int, train_state: dict[
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(str(tmp), safe_serialization=True)
-        engine = engine_of(accelerator.distributed_type)
+        engine = engine_name(accelerator)
         if engine in ("FSDP", "DEEPSPEED") and model is not None:
             write_full_weights(accelerator, model, tmp, engine)
         accelerator.wait_for_everyone()  # no rank may still be writing into tmp when it is renamed
@@ -126,10 +126,10 @@ def checkpoint_layout(ckpt: Path) -> str:
     return "DDP"
 
 
-def check_layout(ckpt: Path, distributed_type: Any) -> None:
+def check_layout(ckpt: Path, engine: str) -> None:
     """A resume reads the engine's own files: refuse a checkpoint another engine wrote, with the fix."""
     have = checkpoint_layout(ckpt)
-    want = LAYOUTS.get(engine_of(distributed_type), "DDP")
+    want = LAYOUTS.get(engine, "DDP")
     if have != want:
         raise ConfigError(f"{ckpt} was written under {have}, this launch uses {want}: resume it with the same "
                           f"accelerate config, or start a new run_dir from its weights (model.pretrained={ckpt})")

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from mmpretrain.data.device_decode import DeviceDecodeError
-    from mmpretrain.data.stream import StreamError
+    from mmpretrain.data.reader import StreamError
     from mmpretrain.train.build import setup
     from mmpretrain.train.disk import CheckpointWriteError
     from mmpretrain.train.loop import fit

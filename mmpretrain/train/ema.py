@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from mmpretrain.config import ConfigError, ExperimentConfig
-from mmpretrain.launch import engine_of
 from mmpretrain.models.factory import pre_projection
 from mmpretrain.run_files import EMA_WEIGHTS
+from mmpretrain.train.engine import sharded_engine
 
 __all__ = ["EMA", "EMA_FILE", "make_ema"]
 
@@ -107,9 +107,9 @@ def make_ema(cfg: ExperimentConfig, acc, module: nn.Module, ckpt) -> EMA | None:
     refused under FSDP and DeepSpeed (each rank holds a shard of the weights)."""
     if cfg.train.ema is None:
         return None
-    engine = engine_of(acc.distributed_type)
-    if engine in ("FSDP", "DEEPSPEED"):
-        raise ConfigError(f"train.ema under {'FSDP' if engine == 'FSDP' else 'DeepSpeed'}: each rank holds a shard of "
+    engine = sharded_engine(acc)
+    if engine is not None:
+        raise ConfigError(f"train.ema under {engine}: each rank holds a shard of "
                           "the weights, so an average here would cover a shard and need the engine's gather to save; "
                           "not supported. Train with data parallelism (configs/accelerate/8gpu.yaml) or drop train.ema")
     e = cfg.train.ema

@@ -1,19 +1,35 @@
-"""The engine a run trains under: accelerate's Accelerator for this machine and config (CPU or GPU,
-precision, trackers, torch.compile), what FSDP and DeepSpeed need set or refused before the model is
-prepared, and the dtype the batch's images take."""
+"""The engine a run trains under, in one place: accelerate's Accelerator for this machine and config (CPU
+or GPU, precision, trackers, torch.compile), which engine that is (:func:`engine_name`, read from the
+accelerator and nowhere else), what FSDP and DeepSpeed need set or refused before the model is prepared,
+the dtype the batch's images take, and the full weights of a sharded model for calls outside its forward
+(:func:`full_weights`)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import sys
+from contextlib import ExitStack
 
 import torch
 from accelerate import Accelerator
 
 from mmpretrain.config import ConfigError, ExperimentConfig
-from mmpretrain.launch import engine_of
 from mmpretrain.train.schedule import Schedule
+
+# the engines that shard the weights between ranks, by accelerate's name, as users write them
+SHARDED = {"FSDP": "FSDP", "DEEPSPEED": "DeepSpeed"}
+
+
+def engine_name(accelerator) -> str:
+    """The engine this run trains under: accelerate's ``DistributedType`` as its bare name (``FSDP``,
+    ``DEEPSPEED``, ``MULTI_GPU``, ``MULTI_CPU``, ``NO``), decided by the accelerator."""
+    return str(accelerator.distributed_type).rsplit(".", 1)[-1]
+
+
+def sharded_engine(accelerator) -> str | None:
+    """``FSDP`` or ``DeepSpeed`` when the run's weights are sharded between ranks, else None."""
+    return SHARDED.get(engine_name(accelerator))
 
 
 def on_cpu() -> bool:
@@ -59,7 +75,7 @@ def make_accelerator(cfg: ExperimentConfig) -> Accelerator:
     if launched and launched != wanted and os.environ.get("RANK", "0") == "0":
         print(f"note: train.precision={cfg.train.precision} decides the precision; the accelerate config's "
               f"mixed_precision={launched} is not used (set train.precision={launched} for it)", file=sys.stderr)
-    engine = engine_requested()
+    engine = _launched_engine()
     if engine and cpu:  # with cpu=True accelerate would silently train without the engine
         raise ConfigError(f"the accelerate config asks for {engine}, which needs GPUs; this machine has none. "
                           "Launch with configs/accelerate/cpu-2proc.yaml (gloo data parallelism) on a CPU")
@@ -84,12 +100,12 @@ def configure_engine(cfg: ExperimentConfig, acc: Accelerator, schedule: Schedule
     """What FSDP and DeepSpeed need from this config, set or refused before the model is prepared.
 
     DeepSpeed: accelerate fills ``train_micro_batch_size_per_gpu: auto`` from a prepared DataLoader,
-    which this trainer does not use (its stream is its own), so the batch sizes are set from
-    ``data.batch_size``; the engine clips gradients itself, so its ``gradient_clipping`` is set from
+    which this trainer does not use (its stream is its own), so the batch sizes are set from the
+    schedule's; the engine clips gradients itself, so its ``gradient_clipping`` is set from
     ``optim.grad_clip_norm`` (a config file's value would silently win otherwise); its ``backward``
     also steps the optimizer, so micro-batches (several backwards per step) and engine-side gradient
     accumulation are refused."""
-    if engine_of(acc.distributed_type) != "DEEPSPEED":
+    if engine_name(acc) != "DEEPSPEED":
         return
     if cfg.train.micro_batch_size:
         raise ConfigError(f"train.micro_batch_size={cfg.train.micro_batch_size} under DeepSpeed: its backward steps "
@@ -101,7 +117,7 @@ def configure_engine(cfg: ExperimentConfig, acc: Accelerator, schedule: Schedule
         raise ConfigError(f"the DeepSpeed config sets gradient_accumulation_steps={ds['gradient_accumulation_steps']}: "
                           "this trainer takes one optimizer step per batch; set it to 1 (a bigger batch: "
                           "data.batch_size, or train.micro_batch_size under DDP/FSDP)")
-    ds.update(train_micro_batch_size_per_gpu=cfg.data.batch_size, gradient_accumulation_steps=1,
+    ds.update(train_micro_batch_size_per_gpu=schedule.batch_size, gradient_accumulation_steps=1,
               train_batch_size=schedule.global_batch_size,
               gradient_clipping=cfg.optim.grad_clip_norm or 0.0)
 
@@ -109,14 +125,45 @@ def configure_engine(cfg: ExperimentConfig, acc: Accelerator, schedule: Schedule
 def input_dtype(acc: Accelerator) -> torch.dtype | None:
     """The dtype the batch's images must have: DeepSpeed under bf16/fp16 holds the weights in it and
     runs without autocast; every other engine takes fp32 images (autocast casts)."""
-    if engine_of(acc.distributed_type) == "DEEPSPEED" and acc.mixed_precision in ("bf16", "fp16"):
+    if engine_name(acc) == "DEEPSPEED" and acc.mixed_precision in ("bf16", "fp16"):
         return torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float16
     return None
 
 
-def engine_requested() -> str | None:
-    """``FSDP`` or ``DeepSpeed`` when ``accelerate launch`` was given such a config (its environment)."""
+def _launched_engine() -> str | None:
+    """``FSDP`` or ``DeepSpeed`` when ``accelerate launch`` was given such a config (its environment): read
+    only to refuse it on a CPU, where accelerate would otherwise train without it. Once the accelerator
+    exists, :func:`engine_name` says which engine runs."""
     for var, name in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
         if os.environ.get(var, "false").lower() == "true":
             return name
     return None
+
+
+@contextlib.contextmanager
+def full_weights(accelerator, model: torch.nn.Module):
+    """The unwrapped module with its full weights, for calls outside the prepared model's forward
+    (evaluation runs ``encode_image``/``encode_text``). FSDP shards the parameters between forwards:
+    they are gathered for the duration (no write-back), FSDP1 with ``summon_full_params``, FSDP2 with
+    ``unshard``/``reshard``; every other engine holds them whole already. Under bf16/fp16, FSDP's
+    mixed-precision policy (its buffers, FSDP2's gathered parameters) and DeepSpeed's weights are half
+    precision while the evaluator's images are fp32: the calls run under autocast there, and on GPUs
+    under bf16/fp16 whatever the engine (as open_clip_train evaluates); DDP on a CPU stays fp32."""
+    inner = accelerator.unwrap_model(model)
+    engine = engine_name(accelerator)
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(accelerator.mixed_precision))
+    with ExitStack() as stack:
+        if half is not None and (engine in SHARDED or accelerator.device.type == "cuda"):
+            stack.enter_context(torch.autocast(accelerator.device.type, dtype=half))
+        if engine == "FSDP":
+            from torch.distributed.fsdp import FSDPModule
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+            if isinstance(model, FSDP1):
+                stack.enter_context(FSDP1.summon_full_params(model, writeback=False, recurse=True))
+            else:
+                sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+                for m in sharded:
+                    m.unshard()
+                stack.callback(lambda: [m.reshard() for m in sharded])
+        yield inner

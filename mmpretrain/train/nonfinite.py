@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from mmpretrain.launch import engine_of
+from mmpretrain.train.engine import engine_name
 
 
 def inner_optimizer(optimizer) -> torch.optim.Optimizer:
@@ -36,7 +36,7 @@ def skips_on_device(accelerator, optimizer) -> bool:
     """Whether a non-finite step can be skipped on the device (fused AdamW, not fp16, not DeepSpeed)."""
     inner = inner_optimizer(optimizer)
     return (isinstance(inner, torch.optim.Adam) and bool(inner.defaults.get("fused"))
-            and str(accelerator.mixed_precision) != "fp16" and engine_of(accelerator.distributed_type) != "DEEPSPEED")
+            and str(accelerator.mixed_precision) != "fp16" and engine_name(accelerator) != "DEEPSPEED")
 
 
 def loss_terms(terms: dict[str, Any]) -> list[str]:

@@ -6,15 +6,14 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
 from accelerate.utils import gather_object
 
 from mmpretrain.eval import merge_results
-from mmpretrain.launch import engine_of
 from mmpretrain.train.diagnostics import GEOMETRY_ROWS, geometry, similarity_histogram
+from mmpretrain.train.engine import full_weights
 from mmpretrain.train.state import Run
 
 
@@ -62,35 +61,6 @@ def diagnostics(run: Run, features: tuple[torch.Tensor, torch.Tensor]) -> dict[s
     x, y = (acc.gather(f[:k].float().contiguous()) for f in features)
     run.histograms = similarity_histogram(x, y)
     return {f"geometry/{k}": v for k, v in geometry(x, y).items()}
-
-
-@contextmanager
-def full_weights(accelerator, model: torch.nn.Module):
-    """The unwrapped module with its full weights, for calls outside the prepared model's forward
-    (evaluation runs ``encode_image``/``encode_text``). FSDP shards the parameters between forwards:
-    they are gathered for the duration (no write-back), FSDP1 with ``summon_full_params``, FSDP2 with
-    ``unshard``/``reshard``; every other engine holds them whole already. Under bf16/fp16, FSDP's
-    mixed-precision policy (its buffers, FSDP2's gathered parameters) and DeepSpeed's weights are half
-    precision while the evaluator's images are fp32: the calls run under autocast there, and on GPUs
-    under bf16/fp16 whatever the engine (as open_clip_train evaluates); DDP on a CPU stays fp32."""
-    inner = accelerator.unwrap_model(model)
-    engine = engine_of(accelerator.distributed_type)
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(accelerator.mixed_precision))
-    with ExitStack() as stack:
-        if half is not None and (engine in ("FSDP", "DEEPSPEED") or accelerator.device.type == "cuda"):
-            stack.enter_context(torch.autocast(accelerator.device.type, dtype=half))
-        if engine == "FSDP":
-            from torch.distributed.fsdp import FSDPModule
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
-
-            if isinstance(model, FSDP1):
-                stack.enter_context(FSDP1.summon_full_params(model, writeback=False, recurse=True))
-            else:
-                sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
-                for m in sharded:
-                    m.unshard()
-                stack.callback(lambda: [m.reshard() for m in sharded])
-        yield inner
 
 
 def evaluate(run: Run) -> dict[str, Any]:

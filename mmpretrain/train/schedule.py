@@ -24,6 +24,11 @@ class Schedule:
     world_size: int
     diagnostics_every: int | None  # geometry diagnostics cadence in steps (None: off)
 
+    @property
+    def batch_size(self) -> int:
+        """Samples per rank per step (``data.batch_size``)."""
+        return self.global_batch_size // self.world_size
+
     def epoch_at(self, step: int) -> float:
         """Epochs completed after ``step`` steps (steps / steps per epoch)."""
         return step / self.steps_per_epoch

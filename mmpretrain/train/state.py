@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from mmpretrain.config import ExperimentConfig
 from mmpretrain.data.image_input import ImageInput
-from mmpretrain.data.stream import StreamPosition
+from mmpretrain.data.position import StreamPosition
 from mmpretrain.eval import Evaluator
 from mmpretrain.losses import WeightedObjective
 from mmpretrain.run_files import JsonlLog, RunFolder

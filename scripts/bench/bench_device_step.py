@@ -99,11 +99,11 @@ def main() -> None:
     args = p.parse_args()
     import torchvision.io as tio
 
+    from mmpretrain.data.collate import collate
     from mmpretrain.data.crop import ResizedCrop
     from mmpretrain.data.decode import SampleDecoder, augmentation_seed
     from mmpretrain.data.device_decode import DeviceDecoder
     from mmpretrain.data.resample import pad
-    from mmpretrain.data.stream import collate
     from mmpretrain.testing.photos import make_jpegs
 
     S = args.image_size

@@ -332,11 +332,11 @@ def jpeg_faults_section(args, device) -> dict:
     import torch
     import torchvision.io as tio
 
+    from mmpretrain.data.collate import collate
     from mmpretrain.data.crop import ResizedCrop
     from mmpretrain.data.decode import SampleDecoder, SkipSample
     from mmpretrain.data.device_decode import DeviceDecoder
     from mmpretrain.data.jpeg import FILL, tail_box
-    from mmpretrain.data.stream import collate
     from mmpretrain.testing.photos import bad_huffman, cut_short, make_jpegs
 
     photos = make_jpegs(3, seed=11, short_side=(224, 320))

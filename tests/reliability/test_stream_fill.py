@@ -13,9 +13,9 @@ import pytest
 
 from mmpretrain.data.decode import SampleDecoder
 from mmpretrain.data.plan import StreamPlan
+from mmpretrain.data.reader import Reader, StreamError
 from mmpretrain.data.sidecar import attach_embeddings
 from mmpretrain.data.sources import resolve_sources
-from mmpretrain.data.stream import Reader, StreamError
 
 from conftest import BAD_SHARD_RUN, CONFIG, HTML_PAGE, damaged, run_main
 
@@ -50,8 +50,8 @@ def _read(plan: StreamPlan, rank: int, worker: int, cursor=(0, 0, 0, 0), decoder
 @pytest.mark.parametrize("ranks, workers", [(1, 2), (1, 4), (2, 2)])
 def test_every_reader_fills_its_share_from_good_data(openmoji, tmp_path, kind, ranks, workers):
     plan = _plan(damaged(openmoji, tmp_path / "d", kind), ranks, workers)
-    sizes = plan.sizes
-    bad = set(range(plan.offsets[BAD], plan.offsets[BAD] + sizes[BAD]))
+    sizes = [s.size for s in plan.shards]
+    bad = set(range(plan.shards[BAD].offset, plan.shards[BAD].offset + sizes[BAD]))
     good = set(range(sum(sizes))) - bad
     seen, skipped = Counter(), Counter()
     for rank in range(ranks):

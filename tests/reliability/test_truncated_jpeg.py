@@ -10,11 +10,11 @@ import io
 import pytest
 from PIL import Image
 
+from mmpretrain.data.collate import collate
 from mmpretrain.data.crop import ResizedCrop
 from mmpretrain.data.decode import SampleDecoder, SkipSample
 from mmpretrain.data.device_decode import DeviceDecoder
 from mmpretrain.data.jpeg import device_jpeg
-from mmpretrain.data.stream import collate
 from mmpretrain.testing.photos import cut_short, lying, make_jpegs
 
 

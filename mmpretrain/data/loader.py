@@ -1,0 +1,33 @@
+"""The DataLoader that runs a rank's :class:`~mmpretrain.data.stream.TrainStream` in worker processes."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from torch.utils.data import DataLoader, IterableDataset
+
+
+def _lower_priority(nice: int):
+    def init(worker_id: int) -> None:
+        os.nice(nice)
+
+    return init
+
+
+def make_loader(stream: IterableDataset, num_workers: int, pin_memory: bool = False, worker_nice: int = 0,
+                prefetch_factor: int = 2) -> DataLoader:
+    """``worker_nice``: added to the workers' niceness. With the CPU saturated (training on CPU, or
+    decoding-bound GPU hosts) the training process's threads then keep their cores and the workers,
+    which run ahead by ``prefetch_factor`` batches each, fill the gaps (host memory:
+    :mod:`mmpretrain.data.host_memory`)."""
+    return DataLoader(
+        stream,
+        batch_size=None,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        pin_memory=pin_memory,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        multiprocessing_context="fork" if num_workers and sys.platform == "linux" else None,
+        worker_init_fn=_lower_priority(worker_nice) if num_workers and worker_nice else None,
+    )
