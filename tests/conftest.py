@@ -129,15 +129,11 @@ def _captured_fds():
 
 def reset_process_state() -> None:
     """What one ``python -m`` run leaves behind in this process and the next would inherit: accelerate's
-    process-wide state (an Accelerator is a per-process singleton) and the remote-read options the
-    trainer sets from data.remote."""
+    process-wide state (an Accelerator is a per-process singleton)."""
     from accelerate.state import AcceleratorState, GradientState
-
-    from mmpretrain.data import urls
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    urls.configure(urls.RemoteOptions())
 
 
 def run_main(*args: str) -> subprocess.CompletedProcess:

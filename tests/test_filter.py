@@ -288,7 +288,7 @@ def test_stream_reads_every_kept_sample_once_an_epoch_and_no_other(teacher_data,
     base = run.loader.dataset.plan
     want = set(_kept(kept))
     all_keys = _teacher_rows(data)[1]
-    assert base.num_samples == len(want) and sum(base.full_sizes) == len(all_keys) > len(want)
+    assert base.num_samples == len(want) and sum(s.full_size for s in base.shards) == len(all_keys) > len(want)
     for R, W, B in [(1, 1, 8), (2, 2, 4), (4, 1, 5)]:
         plan = StreamPlan(base.sources, "epoch", 0, R, W, B, base.num_samples, 16)
         seen, dropped = [], 0

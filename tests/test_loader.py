@@ -33,8 +33,8 @@ def _decoder(embeddings="require"):
                          draft_size=32)
 
 
-def _plan(spec, mode="epoch", weights=None, num_samples=None, block=16, seed=0):
-    sources = resolve_sources(str(spec), weights)
+def _plan(spec, mode="epoch", weights=None, num_samples=None, block=16, seed=0, remote=None):
+    sources = resolve_sources(str(spec), weights, remote)
     attach_embeddings(sources, None)  # as the trainer does: sidecar embeddings beside the shards
     return StreamPlan(sources, mode, seed, R, W, B, num_samples or sum(s.num_samples for s in sources), block)
 

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 from remote_servers import FAKE_AWS, FaultProxy, RangeHTTPServer, moto_s3
 
-from mmpretrain.config import ConfigError, load_config
+from mmpretrain.config import ConfigError, RemoteConfig, load_config
 from mmpretrain.data import urls
 from mmpretrain.data.tar import read_tar
 
@@ -28,16 +28,14 @@ RETRIES = {"none": 0, "drop": 3, "503": 1, "stall": 2}
 
 @pytest.fixture
 def fast_retries():
-    """Short backoff and a 1 s timeout (the stall fault lasts 2 s); the defaults restored after."""
-    before = urls.options()
+    """Remote options with a short backoff and a 1 s timeout (the stall fault lasts 2 s), given fsspec's
+    ``storage_options``; the retry count starts at 0."""
     urls.take_retries()
 
-    def set_(**storage_options):
-        urls.configure(urls.RemoteOptions(retries=5, backoff=0.05, timeout=1.0, storage_options=storage_options))
+    def options(**storage_options) -> RemoteConfig:
+        return RemoteConfig(retries=5, backoff=0.05, timeout=1.0, storage_options=storage_options)
 
-    set_()
-    yield set_
-    urls.configure(before)
+    return options
 
 
 @pytest.fixture(scope="module")
@@ -52,20 +50,20 @@ def local_samples(openmoji) -> dict[str, list[dict]]:
     return {n: list(read_tar(openmoji / "train" / n)) for n in names}
 
 
-def check_delivery(local: dict[str, list[dict]], url_of) -> None:
+def check_delivery(local: dict[str, list[dict]], url_of, remote: RemoteConfig) -> None:
     for name, samples in local.items():
-        got = list(read_tar(url_of(name)))
+        got = list(read_tar(url_of(name), remote=remote))
         assert [s["__key__"] for s in got] == [s["__key__"] for s in samples]  # each once, in order
         assert got == samples  # byte for byte
 
 
-def survives(openmoji, port: int, fault: str, url_of, server: str) -> None:
+def survives(openmoji, port: int, fault: str, url_of, server: str, remote_of) -> None:
     """Every sample of 3 shards through a proxy injecting ``fault``: delivered once, in order, byte for
-    byte; the faults injected and the retries they cost as expected."""
+    byte; the faults injected and the retries they cost as expected. ``remote_of(proxy)``: the options."""
     kind, kw = FAULTS[fault]
     proxy = FaultProxy(port, kind, **kw)
     try:
-        check_delivery(local_samples(openmoji), lambda n: url_of(proxy, n))
+        check_delivery(local_samples(openmoji), lambda n: url_of(proxy, n), remote_of(proxy))
         retries = urls.take_retries()
         print(f"{server} {fault}: retries {retries}, faults {proxy.faults}")
         assert proxy.faults == kw.get("times", 0) and retries == RETRIES[fault]
@@ -75,7 +73,8 @@ def survives(openmoji, port: int, fault: str, url_of, server: str) -> None:
 
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_http_shards_survive_each_fault(openmoji, http_server, fast_retries, fault):
-    survives(openmoji, http_server.port, fault, lambda proxy, n: f"{proxy.url}/train/{n}", "http")
+    survives(openmoji, http_server.port, fault, lambda proxy, n: f"{proxy.url}/train/{n}", "http",
+             lambda proxy: fast_retries())
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +88,8 @@ def test_s3_shards_survive_each_fault(openmoji, s3_port, fast_retries, fault, mo
     for k, v in FAKE_AWS.items():
         monkeypatch.setenv(k, v)
 
-    def url_of(proxy, name):
-        fast_retries(client_kwargs={"endpoint_url": proxy.url})  # s3fs reaches the store through the proxy
-        return f"s3://shards/train/{name}"
-
-    survives(openmoji, s3_port, fault, url_of, "s3")
+    survives(openmoji, s3_port, fault, lambda proxy, name: f"s3://shards/train/{name}", "s3",
+             lambda proxy: fast_retries(client_kwargs={"endpoint_url": proxy.url}))  # s3fs reaches the store through the proxy
 
 
 def test_the_training_stream_over_a_faulty_server_is_the_local_stream(openmoji, http_server, fast_retries):
@@ -108,8 +104,9 @@ def test_the_training_stream_over_a_faulty_server_is_the_local_stream(openmoji, 
     proxy = FaultProxy(http_server.port, "drop", after=20_000, times=6)
     try:
         spec = f"{proxy.url}/train/openmoji-train-{{000000..{len(names) - 1:06d}}}.tar"
-        local, far = _plan(openmoji / "train"), _plan(spec)
-        assert far.sizes == local.sizes and far.embeddings is not None  # sizes.json and sidecars read over HTTP
+        local, far = _plan(openmoji / "train"), _plan(spec, remote=fast_retries())
+        # sizes.json and sidecars read over HTTP
+        assert [s.size for s in far.shards] == [s.size for s in local.shards] and far.shards[0].embeddings is not None
         skipped = Counter()
         for rank in range(2):
             a, b = _batches(local, rank, 6), _batches(far, rank, 6)
@@ -128,18 +125,41 @@ def test_the_training_stream_over_a_faulty_server_is_the_local_stream(openmoji, 
         proxy.close()
 
 
+def test_data_remote_is_handed_to_every_read_of_the_run(openmoji, http_server):
+    """data.remote is an argument, not a process-wide setting: setup's sources carry the config's options to
+    every shard record of the plan and to the sidecars beside them, and a read of a failing shard gives
+    up after data.remote.retries."""
+    from mmpretrain.train.inputs import build_data, load_sources
+
+    names = sorted(json.loads((openmoji / "train/sizes.json").read_text()))
+    proxy = FaultProxy(http_server.port, "503", times=10**6)
+    try:
+        good = f"http://127.0.0.1:{http_server.port}/train/openmoji-train-{{000000..{len(names) - 1:06d}}}.tar"
+        cfg = load_config(ROOT / "configs/demo.yaml", [f"data.train={good}", "data.remote.retries=2",
+                                                       "data.remote.backoff=0.01", "data.remote.timeout=2"])
+        plan = build_data(cfg, load_sources(cfg), 1).plan
+        assert len(plan.shards) == len(names)
+        assert all(s.remote is cfg.data.remote and s.embeddings.remote is cfg.data.remote for s in plan.shards)
+        urls.take_retries()
+        with pytest.raises(OSError, match="after 2 retries"):
+            list(read_tar(f"{proxy.url}/train/{names[0]}", remote=plan.shards[0].remote))
+        assert urls.take_retries() == 2
+    finally:
+        proxy.close()
+
+
 def test_a_shard_that_keeps_failing_is_unreadable_naming_url_and_cause(openmoji, http_server, fast_retries, caplog):
     name = sorted(json.loads((openmoji / "train/sizes.json").read_text()))[0]
     proxy = FaultProxy(http_server.port, "503", times=10**6)
     try:
         with caplog.at_level(logging.WARNING, logger="mmpretrain.data.urls"), pytest.raises(OSError) as err:
-            list(read_tar(f"{proxy.url}/train/{name}"))
+            list(read_tar(f"{proxy.url}/train/{name}", remote=fast_retries()))
         msg = str(err.value)
         assert f"{proxy.url}/train/{name}" in msg and "after 5 retries" in msg and "503" in msg
         assert urls.take_retries() == 5 and len([r for r in caplog.records if "retry" in r.message]) == 5
         # a missing object is not retried: it will not appear
         with pytest.raises(FileNotFoundError):
-            list(read_tar(f"http://127.0.0.1:{http_server.port}/train/no-such-shard.tar"))
+            list(read_tar(f"http://127.0.0.1:{http_server.port}/train/no-such-shard.tar", remote=fast_retries()))
         assert urls.take_retries() == 0
     finally:
         proxy.close()
@@ -203,21 +223,21 @@ def test_unreachable_stores_are_one_clear_error(fast_retries, monkeypatch):
     from mmpretrain.data.sources import resolve_sources
 
     with pytest.raises(ValueError, match="gcsfs"):  # the url's fsspec package is missing
-        resolve_sources("gs://bucket/shard-{0..1}.tar")
+        resolve_sources("gs://bucket/shard-{0..1}.tar", remote=fast_retries())
     closed = socket.socket()
     closed.bind(("127.0.0.1", 0))
     port = closed.getsockname()[1]
     closed.close()
     with pytest.raises(FileNotFoundError, match=r"cannot read .*sizes.json.*Connect.*endpoint_url"):
-        resolve_sources(f"http://127.0.0.1:{port}/shard-{{0..1}}.tar")
+        resolve_sources(f"http://127.0.0.1:{port}/shard-{{0..1}}.tar", remote=fast_retries())
     for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
-    fast_retries(client_kwargs={"endpoint_url": f"http://127.0.0.1:{port}"})
+    s3 = fast_retries(client_kwargs={"endpoint_url": f"http://127.0.0.1:{port}"})
     with pytest.raises(FileNotFoundError, match="NoCredentialsError"):  # not retried: the answer will not change
-        resolve_sources("s3://bucket/shard-{0..1}.tar")
+        resolve_sources("s3://bucket/shard-{0..1}.tar", remote=s3)
     assert urls.take_retries() == 0
 
 

@@ -8,9 +8,9 @@ that need the dataset size or the world size (epochs -> steps) are the trainer's
 the run folder.
 """
 
+from mmpretrain.config.base import ConfigError, RemoteConfig
 from mmpretrain.config.load import config_defaults, flat_config, load_config, parse_override, to_yaml
 from mmpretrain.config.sections import (
-    ConfigError,
     DataConfig,
     EvalConfig,
     ExperimentConfig,
@@ -18,7 +18,6 @@ from mmpretrain.config.sections import (
     LossTerm,
     ModelConfig,
     OptimConfig,
-    RemoteConfig,
     TargetsConfig,
     TrainConfig,
 )

@@ -4,60 +4,16 @@ file and dotted overrides."""
 
 from __future__ import annotations
 
-import types
-import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, field_validator, model_validator
 
-from mmpretrain.eval import TASKS
-from mmpretrain.losses import LOSSES
+from mmpretrain.config import outside
+from mmpretrain.config.base import ConfigError, RemoteConfig, _Strict
 
-
-class ConfigError(ValueError):
-    """A config that cannot run. Entry points print it and exit with code 2."""
-
-
-def _allows_bool(annotation: Any) -> bool:
-    if annotation is bool or annotation is Any:
-        return True
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType, Annotated):
-        return any(_allows_bool(a) for a in typing.get_args(annotation))
-    return False
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_numbers(cls, v: Any, info: ValidationInfo) -> Any:
-        # pydantic takes true/false as 1/0 for numbers: `train.steps=true` would train one step
-        if isinstance(v, bool) and not _allows_bool(cls.model_fields[info.field_name].annotation):
-            raise ValueError(f"{str(v).lower()} is a yes/no value, not what this key takes")
-        return v
-
-
-class RemoteConfig(_Strict):
-    """Remote shards (fsspec urls): see mmpretrain/data/urls.py."""
-
-    retries: int = Field(5, ge=0, description="retries of a remote shard that fails to open or breaks mid-read, "
-                         "from the first sample not yet delivered (the count restarts once a sample came through)")
-    backoff: float = Field(1.0, ge=0, description="seconds before the first retry, doubled for each further one")
-    max_backoff: float = Field(30.0, ge=0, description="the longest wait between retries, seconds")
-    timeout: float = Field(60.0, gt=0, description="seconds to connect, and to wait for the next bytes, "
-                           "before a read fails (and is retried)")
-    storage_options: dict[str, Any] = Field(default_factory=dict, description="passed to fsspec for every remote "
-                                            "url, e.g. {client_kwargs: {endpoint_url: http://minio:9000}}; saved with the run's config, so "
-                                            "credentials belong in the environment (AWS_* variables, a profile)")
+__all__ = ["ConfigError", "DataConfig", "EMAConfig", "EvalConfig", "ExperimentConfig", "HubConfig", "LossTerm",
+           "ModelConfig", "OptimConfig", "RemoteConfig", "TargetsConfig", "TrainConfig"]
 
 
 class DataConfig(_Strict):
@@ -105,11 +61,7 @@ class DataConfig(_Strict):
     @field_validator("aug_cfg")
     @classmethod
     def _aug_keys(cls, v: dict[str, Any]) -> dict[str, Any]:
-        import dataclasses
-
-        from open_clip.transform import AugmentationCfg
-
-        known = [f.name for f in dataclasses.fields(AugmentationCfg)]
+        known = outside.augmentation_keys()
         unknown = sorted(set(v) - set(known))
         if unknown:
             raise ValueError(f"unknown data.aug_cfg key(s) {unknown}; open_clip's are {known}")
@@ -203,28 +155,6 @@ class LossTerm(_Strict):
     options: dict[str, Any] = Field(default_factory=dict, description="the objective's constructor options, "
                                     "checked when the config loads")
 
-    @field_validator("name")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        if v not in LOSSES:
-            raise ValueError(f"unknown objective {v!r}; choose one of {sorted(LOSSES)}")
-        return v
-
-    @model_validator(mode="after")
-    def _options_construct(self) -> LossTerm:
-        self.build()
-        return self
-
-    def build(self):
-        """The objective alone (one process), as validation builds it to check the options."""
-        cls = LOSSES[self.name]
-        # a per-sample table's length comes from the data at setup; a stand-in checks the other options
-        sized = {"index_size": 2} if getattr(cls, "needs_index_size", False) and "index_size" not in self.options else {}
-        try:
-            return cls(**sized, **self.options)
-        except TypeError as e:
-            raise ValueError(f"bad options for objective {self.name!r}: {e}") from None
-
 
 class OptimConfig(_Strict):
     lr: float = Field(1e-3, gt=0, description="peak learning rate (AdamW), after the linear warm-up, then cosine")
@@ -314,9 +244,7 @@ class EvalConfig(_Strict):
     def _tasks(self):
         if len(self.tasks) not in (1, len(self.datasets)):
             raise ValueError("eval.tasks: give one task, or one per entry of eval.datasets")
-        bad = [t for t in self.tasks if t not in TASKS]
-        if bad:
-            raise ValueError(f"eval.tasks: {bad[0]!r} is not one of {', '.join(TASKS)}")
+        outside.check_tasks(self.tasks)
         return self
 
     @property
@@ -335,12 +263,7 @@ class HubConfig(_Strict):
     @field_validator("repo_id")
     @classmethod
     def _repo_id(cls, v: str) -> str:
-        from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-        try:
-            validate_repo_id(v)
-        except HFValidationError as e:
-            raise ValueError(f"not a Hub repository ID (ORG/NAME): {e}") from None
+        outside.check_repo_id(v)
         return v
 
 
@@ -360,6 +283,15 @@ class ExperimentConfig(_Strict):
     eval: EvalConfig | None = Field(None, description="evaluations during training (the evaluation suite's tasks)")
     hub: HubConfig | None = Field(None, description="periodic upload of checkpoints to the Hub during training")
 
+    @field_validator("loss")
+    @classmethod
+    def _objective(cls, v: list[LossTerm]) -> list[LossTerm]:
+        """The terms' names and options, checked by building the objective once (one process, stand-ins
+        for the sizes the data gives at setup)."""
+        if v:
+            outside.check_objective([t.model_dump() for t in v])
+        return v
+
     @model_validator(mode="after")
     def _cross(self) -> ExperimentConfig:
         if not self.loss:
@@ -376,7 +308,7 @@ class ExperimentConfig(_Strict):
             raise ValueError(f"train.micro_batch_size={m} must divide data.batch_size={self.data.batch_size} "
                              "and be smaller (or leave it unset)")
         if m is not None and self.train.micro_batch_mode == "accumulate":
-            whole = next((t.name for t in self.loss if getattr(t.build(), "whole_batch", False)), None)
+            whole = next(iter(outside.whole_batch_terms([t.name for t in self.loss])), None)
             if whole:
                 raise ValueError(f"loss {whole} needs the whole batch in one objective call: use "
                                  "train.micro_batch_mode=grad_cache with train.micro_batch_size")

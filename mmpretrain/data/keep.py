@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from mmpretrain.config.base import RemoteConfig
 from mmpretrain.data.sidecar import join, load_folder_json, load_npy, shard_bytes, whole
 from mmpretrain.data.urls import is_local, open_url, shard_path
 
@@ -72,14 +73,14 @@ def write_shard(folder: Path, name: str, positions: np.ndarray, keys: list[str])
     return out
 
 
-def read_list(folder: str) -> dict[str, Any]:
+def read_list(folder: str, remote: RemoteConfig | None = None) -> dict[str, Any]:
     """``keep.json`` of ``folder``, checked; ValueError / FileNotFoundError naming the fix."""
     if is_local(folder) and not Path(folder).is_dir():
         raise FileNotFoundError(f"data.keep: {folder} is not a folder; write a keep-list with `python -m data_tools "
                                 "filter DATA --out LIST ...`")
     where = join(folder, KEEP)
     try:
-        index = load_folder_json(folder, KEEP)
+        index = load_folder_json(folder, KEEP, remote)
     except ValueError as e:
         raise ValueError(f"data.keep: {e}; run `python -m data_tools filter` again") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("shards"), dict):
@@ -109,12 +110,12 @@ def _problem(index: dict[str, Any]) -> str | None:
     return None
 
 
-def _load_positions(folder: str, name: str) -> np.ndarray:
-    return load_npy(join(folder, name + POSITIONS))
+def _load_positions(folder: str, name: str, remote: RemoteConfig | None = None) -> np.ndarray:
+    return load_npy(join(folder, name + POSITIONS), remote)
 
 
-def load_keys(folder: str, name: str) -> list[str]:
-    with open_url(join(folder, name + KEYS)) as f:
+def load_keys(folder: str, name: str, remote: RemoteConfig | None = None) -> list[str]:
+    with open_url(join(folder, name + KEYS), remote) as f:
         return f.read().decode("utf-8").splitlines()
 
 
@@ -126,11 +127,12 @@ class ShardKeep:
     name: str
     positions: np.ndarray
     keys: list[str] | None = None
+    remote: RemoteConfig | None = None  # its source's data.remote
 
     def key(self, local: int) -> str | None:
         if self.keys is None:
             try:
-                self.keys = load_keys(self.folder, self.name)
+                self.keys = load_keys(self.folder, self.name, self.remote)
             except (OSError, UnicodeDecodeError) as e:
                 log.warning("keep-list %s: keys unreadable (%s); its samples are read without the key check",
                             join(self.folder, self.name + KEYS), e)
@@ -151,7 +153,7 @@ def attach_keep(sources: list, spec: str | None) -> None:
     for source, folder in zip(sources, parts):
         if not folder:
             continue
-        index = read_list(folder)
+        index = read_list(folder, source.remote)
         names = [posixpath.basename(shard_path(u)) for u in source.urls]
         shards = index["shards"]
         extra = sorted(set(shards) - set(names))
@@ -168,12 +170,12 @@ def attach_keep(sources: list, spec: str | None) -> None:
             if record.get("total") != total:
                 raise ValueError(f"data.keep: the list was made from {record.get('total')} samples of {name}, its "
                                  f"sizes.json now says {total}: the shard was rebuilt; run `python -m data_tools filter` again")
-            nbytes = shard_bytes(url)
+            nbytes = shard_bytes(url, source.remote)
             if nbytes is not None and record.get("bytes") is not None and nbytes != record["bytes"]:
                 raise ValueError(f"data.keep: {name} has {nbytes} bytes, {record['bytes']} when the list was made: the "
                                  "shard was rebuilt; run `python -m data_tools filter` again")
             try:
-                pos = _load_positions(folder, name)
+                pos = _load_positions(folder, name, source.remote)
             except ValueError as e:  # load_npy's words name the file
                 raise ValueError(f"data.keep: {e}; run `python -m data_tools filter` again") from None
             ok = (pos.ndim == 1 and np.issubdtype(pos.dtype, np.integer) and len(pos) == record.get("kept")
@@ -182,7 +184,7 @@ def attach_keep(sources: list, spec: str | None) -> None:
                 raise ValueError(f"data.keep: {join(folder, name + POSITIONS)} does not hold {record.get('kept')} "
                                  f"ascending positions below {total}, as keep.json says: run `python -m data_tools "
                                  "filter` again")
-            keeps.append(ShardKeep(folder, name, pos.astype(np.int64)))
+            keeps.append(ShardKeep(folder, name, pos.astype(np.int64), remote=source.remote))
             sizes.append(len(pos))
         if sum(sizes) == 0:
             raise ValueError(f"data.keep: {folder} keeps no sample of {source.spec!r}; loosen the filter's rules")

@@ -42,6 +42,7 @@ class Shard:
     embeddings: Any = None  # its source's SourceEmbeddings (mmpretrain.data.sidecar), None: none beside it
     teachers: Any = None  # its source's SourceTeachers (mmpretrain.data.teacher), None: no teacher read
     keep: Any = None  # data.keep: its ShardKeep (mmpretrain.data.keep; kept positions), None: every sample
+    remote: Any = None  # its source's data.remote (mmpretrain.config.base.RemoteConfig): how it is opened
 
 
 def shards_of(sources: list[Source]) -> list[Shard]:
@@ -52,7 +53,8 @@ def shards_of(sources: list[Source]) -> list[Shard]:
     for s in sources:
         for i, url in enumerate(s.urls):
             full = (s.full_sizes or s.sizes)[i]
-            out.append(Shard(url, offset, s.sizes[i], full, s.embeddings, s.teachers, s.keep[i] if s.keep else None))
+            out.append(Shard(url, offset, s.sizes[i], full, s.embeddings, s.teachers, s.keep[i] if s.keep else None,
+                             s.remote))
             offset += full
     return out
 

@@ -79,7 +79,7 @@ class SegmentReader:
         if self.failed:
             return self.failed
         if self.it is None or at < self.next_in_shard:
-            self.it = read_tar(shard.url, skip=at)
+            self.it = read_tar(shard.url, skip=at, remote=shard.remote)
             self.next_in_shard = at
         try:
             while self.next_in_shard < at:  # skip without decoding

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from mmpretrain.config.base import RemoteConfig
 from mmpretrain.data.tar import UNREADABLE, read_tar
 from mmpretrain.data.urls import fs_kwargs, is_local, open_url, shard_path
 
@@ -70,14 +71,14 @@ def join(folder: str, name: str) -> str:
     return str(Path(folder) / name) if is_local(folder) else posixpath.join(folder, name)
 
 
-def load_folder_json(emb_dir: str, name: str) -> Any:
+def load_folder_json(emb_dir: str, name: str, remote: RemoteConfig | None = None) -> Any:
     """The JSON file ``name`` of the (local or fsspec) folder ``emb_dir``: None when there is none; a
     ValueError naming the file when it cannot be read or is not JSON (cut short, edited)."""
     url = join(emb_dir, name)
     try:
         if is_local(emb_dir):
             return json.loads(Path(url).read_text())
-        with open_url(url) as f:
+        with open_url(url, remote) as f:
             return json.loads(f.read())
     except FileNotFoundError:
         return None
@@ -87,10 +88,10 @@ def load_folder_json(emb_dir: str, name: str) -> Any:
         raise ValueError(f"{url} is not valid JSON (cut short or edited: {e})") from None
 
 
-def read_folder_json(emb_dir: str, name: str) -> Any:
+def read_folder_json(emb_dir: str, name: str, remote: RemoteConfig | None = None) -> Any:
     """:func:`load_folder_json`, None also when the file is unreadable."""
     try:
-        return load_folder_json(emb_dir, name)
+        return load_folder_json(emb_dir, name, remote)
     except ValueError:
         return None
 
@@ -103,11 +104,11 @@ def whole(value: Any, least: int = 0) -> bool:
 NPY_MAGIC = b"\x93NUMPY"
 
 
-def load_npy(url: str) -> np.ndarray:
+def load_npy(url: str, remote: RemoteConfig | None = None) -> np.ndarray:
     """A ``.npy`` file's array, never unpickled; a ValueError naming the file and what is wrong with it
     (numpy's own words advise loading a pickle "unsafely", or call random bytes pickled data)."""
     try:
-        with open_url(url) as f:
+        with open_url(url, remote) as f:
             data = f.read()
     except FileNotFoundError:
         raise ValueError(f"{url} is missing") from None
@@ -127,13 +128,13 @@ def load_npy(url: str) -> np.ndarray:
         raise ValueError(f"{url} is a .npy file cut short") from None
 
 
-def read_index(emb_dir: str) -> dict[str, Any] | None:
+def read_index(emb_dir: str, remote: RemoteConfig | None = None) -> dict[str, Any] | None:
     """``embeddings.json`` of ``emb_dir``, or None when there is none (or it is not a JSON object)."""
-    data = read_folder_json(emb_dir, INDEX)
+    data = read_folder_json(emb_dir, INDEX, remote)
     return data if isinstance(data, dict) and isinstance(data.get("shards"), dict) else None
 
 
-def shard_bytes(url: str) -> int | None:
+def shard_bytes(url: str, remote: RemoteConfig | None = None) -> int | None:
     """A shard's size in bytes (None where it cannot be known without reading it: ``pipe:``)."""
     if url.startswith("pipe:"):
         return None
@@ -146,7 +147,7 @@ def shard_bytes(url: str) -> int | None:
     import fsspec
 
     try:
-        fs, p = fsspec.core.url_to_fs(path, **fs_kwargs(path))
+        fs, p = fsspec.core.url_to_fs(path, **fs_kwargs(path, remote))
         return int(fs.size(p))
     except Exception:  # a remote that cannot say: the count and first key still fingerprint it
         return None
@@ -169,16 +170,17 @@ def write_shard(emb_dir: Path, name: str, keys: list[str], embs: np.ndarray,
         os.replace(tmp, final)
 
 
-def load_rows(emb_dir: str, name: str) -> np.ndarray:
+def load_rows(emb_dir: str, name: str, remote: RemoteConfig | None = None) -> np.ndarray:
     """The embedding rows of shard ``name`` (never unpickled; :func:`load_npy`)."""
-    return load_npy(join(emb_dir, name + EMB_SUFFIX))
+    return load_npy(join(emb_dir, name + EMB_SUFFIX), remote)
 
 
 class ShardEmbeddings:
     """The sidecar rows of one shard, checked against the shard when it is opened."""
 
-    def __init__(self, emb_dir: str, url: str, expected: int, index: dict[str, Any], warned: set[str] | None = None):
-        self.name = posixpath.basename(shard_path(url))
+    def __init__(self, emb_dir: str, url: str, expected: int, index: dict[str, Any], warned: set[str] | None = None,
+                 remote: RemoteConfig | None = None):
+        self.name, self.remote = posixpath.basename(shard_path(url)), remote
         self.warned = set() if warned is None else warned  # the shards whose problem this process logged
         self.where = join(emb_dir, self.name + EMB_SUFFIX)
         self.rows: np.ndarray | None = None
@@ -204,11 +206,11 @@ class ShardEmbeddings:
         if not isinstance(record, dict):
             self.reason = f"{INDEX} has no record of {self.name}"
             return
-        rows = load_rows(emb_dir, self.name)
-        with open_url(join(emb_dir, self.name + KEYS_SUFFIX)) as f:
+        rows = load_rows(emb_dir, self.name, self.remote)
+        with open_url(join(emb_dir, self.name + KEYS_SUFFIX), self.remote) as f:
             keys = f.read().decode("utf-8").splitlines()
         dim = index.get("dim")
-        nbytes = shard_bytes(url)
+        nbytes = shard_bytes(url, self.remote)
         if rows.ndim != 2 or rows.dtype.kind != "f" or rows.shape[1] != dim:
             self.reason = f"shape {rows.shape} {rows.dtype}, {INDEX} says ({record.get('count')}, {dim}) floats"
         elif not (rows.shape[0] == len(keys) == record.get("count") == expected):
@@ -226,7 +228,7 @@ class ShardEmbeddings:
     def _load_extra(self, emb_dir: str, dim: int, n_extra: int, expected: int) -> None:
         arrays = []
         for suffix in EXTRA_SUFFIXES:
-            arrays.append(load_npy(join(emb_dir, self.name + suffix)))
+            arrays.append(load_npy(join(emb_dir, self.name + suffix), self.remote))
         rows, offsets = arrays
         if rows.ndim != 2 or rows.dtype.kind != "f" or rows.shape != (n_extra, dim):
             self.reason = f"extra captions' rows of shape {rows.shape}, {INDEX} says ({n_extra}, {dim})"
@@ -260,15 +262,15 @@ class ShardEmbeddings:
 class SourceEmbeddings:
     """A source's embedding folder: ``for_shard(url, expected)`` gives the shard's checked rows."""
 
-    def __init__(self, emb_dir: str, index: dict[str, Any]):
-        self.emb_dir, self.index = emb_dir, index
+    def __init__(self, emb_dir: str, index: dict[str, Any], remote: RemoteConfig | None = None):
+        self.emb_dir, self.index, self.remote = emb_dir, index, remote
         self.warned: set[str] = set()  # each shard's problem is logged once per process
 
     def for_shard(self, url: str, expected: int) -> ShardEmbeddings:
-        return ShardEmbeddings(self.emb_dir, url, expected, self.index, self.warned)
+        return ShardEmbeddings(self.emb_dir, url, expected, self.index, self.warned, self.remote)
 
 
-def _present(emb_dir: str, names: list[str]) -> list[str]:
+def _present(emb_dir: str, names: list[str], remote: RemoteConfig | None = None) -> list[str]:
     """The shards among ``names`` whose ``NAME.tar.emb.npy`` is in ``emb_dir``: a file check each (local),
     one listing (fsspec)."""
     if is_local(emb_dir):
@@ -276,7 +278,7 @@ def _present(emb_dir: str, names: list[str]) -> list[str]:
     import fsspec
 
     try:
-        fs, root = fsspec.core.url_to_fs(emb_dir, **fs_kwargs(emb_dir))
+        fs, root = fsspec.core.url_to_fs(emb_dir, **fs_kwargs(emb_dir, remote))
         listed = {posixpath.basename(p) for p in fs.ls(root, detail=False)}
     except Exception:  # a store that cannot list: each shard's file is checked when it opens
         return names
@@ -290,7 +292,7 @@ def _refuse_missing(source, model: str | None) -> None:
     emb_dir = source.embeddings.emb_dir if source.embeddings is not None else (
         posixpath.dirname(shard_path(source.urls[0])) or ".")
     if source.embeddings is not None:
-        if _present(emb_dir, names):
+        if _present(emb_dir, names, source.remote):
             return
         what = f"{join(emb_dir, INDEX)} is there, but no shard's {EMB_SUFFIX} file (e.g. {join(emb_dir, names[0] + EMB_SUFFIX)})"
     elif (source.manifest.get("embedding") or {}).get("layout") == LAYOUT:
@@ -321,7 +323,7 @@ def stored_dim(sources: list, model: str | None = None) -> int:
         if s.embeddings is not None:  # the first sidecar's rows (each shard's are checked when it opens)
             first = next(iter(s.embeddings.index["shards"]), None)
             try:
-                shape = load_rows(s.embeddings.emb_dir, first).shape if first else None
+                shape = load_rows(s.embeddings.emb_dir, first, s.remote).shape if first else None
             except (OSError, ValueError, EOFError):
                 continue  # a damaged sidecar: its shard's samples are counted as missing_embedding
             if shape is not None and (len(shape) != 2 or shape[1] != dim):
@@ -330,7 +332,7 @@ def stored_dim(sources: list, model: str | None = None) -> int:
                                  f"{s.spec} --model {model} --overwrite`)")
             continue
         try:
-            sample = next(read_tar(s.urls[0]), None)
+            sample = next(read_tar(s.urls[0], remote=s.remote), None)
             shape = read_row(sample[IN_TAR]).shape if sample and IN_TAR in sample else None
         except (*UNREADABLE, KeyError):
             continue  # an unreadable shard or sample: the stream skips and counts it
@@ -351,7 +353,7 @@ def attach_embeddings(sources: list, spec: str | None) -> None:
                          "give one per '::'-separated source, in the same order")
     for source, d in zip(sources, dirs):
         emb_dir = d or posixpath.dirname(shard_path(source.urls[0])) or "."
-        index = read_index(emb_dir)
+        index = read_index(emb_dir, source.remote)
         if d and index is None and os.path.isfile(join(emb_dir, "teachers.json")):
             continue  # a folder of teacher rows only (mmpretrain.data.teacher): no caption rows to attach
         if d and index is None:
@@ -363,7 +365,7 @@ def attach_embeddings(sources: list, spec: str | None) -> None:
                 raise FileNotFoundError(f"data.embeddings: {join(emb_dir, INDEX)} records none of the shards of "
                                         f"{source.spec} (it embeds others, e.g. {next(iter(index['shards']), '-')}): "
                                         "give the folder `data_tools embed` wrote for these shards")
-            source.embeddings = SourceEmbeddings(emb_dir, index)
+            source.embeddings = SourceEmbeddings(emb_dir, index, source.remote)
 
 
 def check_extra_rows(sources: list, model: str | None = None) -> None:

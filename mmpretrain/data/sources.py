@@ -25,6 +25,7 @@ from typing import Any
 
 from braceexpand import braceexpand
 
+from mmpretrain.config.base import RemoteConfig
 from mmpretrain.data.manifest import MANIFEST, SIZES, check_sizes, read_manifest, read_sizes
 from mmpretrain.data.urls import describe, is_local, missing_object, open_url, shard_path
 
@@ -44,6 +45,7 @@ class Source:
     full_sizes: list[int] | None = None
     keep: list | None = None
     keep_record: dict | None = None
+    remote: RemoteConfig | None = None  # data.remote: the options every read of its files is opened with
 
     @property
     def num_samples(self) -> int:
@@ -55,17 +57,17 @@ def _near(urls: list[str], name: str) -> str:
     return posixpath.join(folder, name) if folder else name
 
 
-def _read_json(url: str) -> Any:
+def _read_json(url: str, remote: RemoteConfig | None) -> Any:
     if is_local(url):
         return json.loads(Path(url).read_text())
-    with open_url(url) as f:
+    with open_url(url, remote) as f:
         return json.loads(f.read().decode("utf-8"))
 
 
-def _read_sizes_near(urls: list[str], spec: str) -> dict[str, int]:
+def _read_sizes_near(urls: list[str], spec: str, remote: RemoteConfig | None) -> dict[str, int]:
     sizes_url = _near(urls, SIZES)
     try:
-        sizes = _read_json(sizes_url)
+        sizes = _read_json(sizes_url, remote)
     except ImportError as e:  # the url's fsspec package (gcsfs, s3fs ...) is not installed
         raise ValueError(f"data.train source {spec!r}: {e}") from None
     except Exception as e:
@@ -82,16 +84,16 @@ def _read_sizes_near(urls: list[str], spec: str) -> dict[str, int]:
     return check_sizes(sizes, sizes_url)
 
 
-def _read_manifest_near(urls: list[str]) -> dict[str, Any]:
+def _read_manifest_near(urls: list[str], remote: RemoteConfig | None) -> dict[str, Any]:
     """The manifest beside a pattern's shards; {} when there is none (it is optional there)."""
     try:
-        data = _read_json(_near(urls, MANIFEST))
+        data = _read_json(_near(urls, MANIFEST), remote)
     except Exception:  # optional; sizes.json, read first, reports an unreachable store
         return {}
     return data if isinstance(data, dict) else {}
 
 
-def resolve_source(spec: str, weight: float = 1.0) -> Source:
+def resolve_source(spec: str, weight: float = 1.0, remote: RemoteConfig | None = None) -> Source:
     p = Path(spec.removeprefix("file://"))
     if is_local(spec.removeprefix("file://")) and p.is_dir():
         sizes = read_sizes(p)
@@ -100,7 +102,8 @@ def resolve_source(spec: str, weight: float = 1.0) -> Source:
         if missing:
             raise FileNotFoundError(f"data.train: {p / missing[0]} is listed in sizes.json but missing "
                                     f"({len(missing)} missing); rebuild or fix sizes.json")
-        return Source(spec, [str(p / n) for n in names], [int(sizes[n]) for n in names], weight, read_manifest(p))
+        return Source(spec, [str(p / n) for n in names], [int(sizes[n]) for n in names], weight, read_manifest(p),
+                      remote=remote)
     urls = list(braceexpand(spec))
     local = [u for u in urls if not u.startswith("pipe:") and is_local(u.removeprefix("file://"))]
     missing = [u for u in local if not Path(u.removeprefix("file://")).is_file()]
@@ -110,23 +113,25 @@ def resolve_source(spec: str, weight: float = 1.0) -> Source:
                                 "sizes.json)")
     if missing:
         raise FileNotFoundError(f"data.train: shard {missing[0]} does not exist ({len(missing)} missing)")
-    sizes = _read_sizes_near(urls, spec)
+    sizes = _read_sizes_near(urls, spec, remote)
     names = [posixpath.basename(shard_path(u)) for u in urls]
     unknown = [n for n in names if n not in sizes]
     if unknown:
         raise FileNotFoundError(f"data.train source {spec!r}: {unknown[0]} is not in the sizes.json beside it "
                                 f"({len(unknown)} shard(s) without a count)")
-    return Source(spec, urls, [int(sizes[n]) for n in names], weight, _read_manifest_near(urls))
+    return Source(spec, urls, [int(sizes[n]) for n in names], weight, _read_manifest_near(urls, remote), remote=remote)
 
 
-def resolve_sources(spec: str, weights: list[float] | None = None) -> list[Source]:
+def resolve_sources(spec: str, weights: list[float] | None = None, remote: RemoteConfig | None = None) -> list[Source]:
+    """``data.train``'s sources; ``remote``: the options (``data.remote``) their remote files are read with,
+    carried by each source to every later read of its shards and the files beside them."""
     parts = [s for s in spec.split("::") if s.strip()]
     if not parts:
         raise FileNotFoundError(f"data.train={spec!r} names no shards")
     if weights is not None and len(weights) != len(parts):
         raise ValueError(f"data.weights has {len(weights)} value(s) for {len(parts)} source(s) in data.train "
                          "(one weight per '::'-separated source)")
-    sources = [resolve_source(s.strip(), (weights or [1.0] * len(parts))[i]) for i, s in enumerate(parts)]
+    sources = [resolve_source(s.strip(), (weights or [1.0] * len(parts))[i], remote) for i, s in enumerate(parts)]
     for s in sources:
         if s.num_samples == 0:
             raise ValueError(f"data.train source {s.spec!r} has no samples (sizes.json counts are all 0)")

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from mmpretrain.config.base import RemoteConfig
 from mmpretrain.data import urls
 from mmpretrain.data.urls import MalformedTar, open_url
 
@@ -100,15 +101,16 @@ def _members(f, pos: int = 0) -> Iterator[tuple[str, int, bool, int]]:
         entry = pos
 
 
-def read_tar(url: str | Path, skip: int = 0, only: tuple[str, ...] | None = None) -> Iterator[dict[str, Any]]:
+def read_tar(url: str | Path, skip: int = 0, only: tuple[str, ...] | None = None,
+             remote: RemoteConfig | None = None) -> Iterator[dict[str, Any]]:
     """Samples of one shard (local path, ``file://``, ``pipe:``, fsspec url; plain or gzipped), after
     ``skip`` samples whose bytes are never copied out; ``only``: the member suffixes to read (the
     others are skipped, e.g. the images when only captions are wanted). Raises one of
     :data:`UNREADABLE` on an unreadable or truncated tar, after yielding what it read; a remote shard
-    is first retried (:mod:`mmpretrain.data.urls`)."""
+    is first retried under ``remote``'s options (:mod:`mmpretrain.data.urls`)."""
     url = str(url)
     if urls.is_remote(url):
-        yield from _read_remote(url, skip, only)
+        yield from _read_remote(url, skip, only, remote or urls.DEFAULT_REMOTE)
         return
     raw = open_url(url)
     try:
@@ -144,11 +146,10 @@ def _samples(stream, skip: int, only: tuple[str, ...] | None, pos: int = 0) -> I
         yield sample, None
 
 
-def _read_remote(url: str, skip: int, only: tuple[str, ...] | None) -> Iterator[dict[str, Any]]:
+def _read_remote(url: str, skip: int, only: tuple[str, ...] | None, opts: RemoteConfig) -> Iterator[dict[str, Any]]:
     """:func:`read_tar` of a remote shard with retries: after a failure the shard is re-opened at the
     first sample not yet delivered (a seek, i.e. a range request), or re-read with those samples
     skipped when it is gzipped; the attempt count restarts once a sample has come through."""
-    opts = urls.options()
     delivered, offset, attempt = 0, None, 0
     while True:
         raw = None
@@ -189,10 +190,10 @@ def _unreadable(e: BaseException, url: str, attempts: int) -> BaseException:
     return OSError(f"{url}: {urls.describe(e)}" + (f" (after {attempts} retries)" if attempts else ""))
 
 
-def tar_keys(url: str | Path) -> Iterator[str]:
+def tar_keys(url: str | Path, remote: RemoteConfig | None = None) -> Iterator[str]:
     """The sample keys of one shard in order, from its headers alone (member data is skipped, not
     copied out). Raises one of :data:`UNREADABLE` like :func:`read_tar`, after the keys it read."""
-    raw = open_url(str(url))
+    raw = open_url(str(url), remote)
     try:
         stream = _buffered(raw)
         last = None

@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from mmpretrain.config.base import RemoteConfig
 from mmpretrain.data.sidecar import join, load_folder_json, load_npy, read_folder_json, shard_bytes, whole
 from mmpretrain.data.urls import open_url, shard_path
 
@@ -91,11 +92,11 @@ def index_problem(data: Any) -> str | None:
     return None
 
 
-def teachers_problem(emb_dir: str, fix: bool = True) -> str | None:
+def teachers_problem(emb_dir: str, fix: bool = True, remote: RemoteConfig | None = None) -> str | None:
     """Why ``emb_dir``'s ``teachers.json`` cannot be used, naming the file (and with ``fix``, the fix); None
     when it is sound or absent."""
     try:
-        data = load_folder_json(emb_dir, TEACHERS)
+        data = load_folder_json(emb_dir, TEACHERS, remote)
         problem = index_problem(data) if data is not None else None
         what = f"{join(emb_dir, TEACHERS)} {problem}: the file was edited or damaged" if problem else None
     except ValueError as e:
@@ -103,10 +104,10 @@ def teachers_problem(emb_dir: str, fix: bool = True) -> str | None:
     return what and what + ("; embed the shards again (`python -m data_tools embed DATA --image-model M`)" if fix else "")
 
 
-def read_teachers(emb_dir: str) -> dict[str, Any] | None:
+def read_teachers(emb_dir: str, remote: RemoteConfig | None = None) -> dict[str, Any] | None:
     """``teachers.json`` of ``emb_dir``, or None when there is none, or none sound (:func:`teachers_problem`
     says why)."""
-    data = read_folder_json(emb_dir, TEACHERS)
+    data = read_folder_json(emb_dir, TEACHERS, remote)
     return data if data is not None and index_problem(data) is None else None
 
 
@@ -118,10 +119,10 @@ def save_npy(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def _load(emb_dir: str, name: str, kinds: str = "f") -> np.ndarray:
+def _load(emb_dir: str, name: str, kinds: str = "f", remote: RemoteConfig | None = None) -> np.ndarray:
     """A shard file's array (:func:`~mmpretrain.data.sidecar.load_npy`), of numbers of the ``kinds`` given
     (numpy's dtype kinds: "f" floats, "iu" integers)."""
-    array = load_npy(join(emb_dir, name))
+    array = load_npy(join(emb_dir, name), remote)
     if array.dtype.kind not in kinds:
         raise ValueError(f"{name} holds {array.dtype} values, not {'floats' if kinds == 'f' else 'integers'}")
     return array
@@ -141,8 +142,8 @@ class ShardTeachers:
     """The teacher rows of one shard for the teachers ``tids``, checked against the shard when opened."""
 
     def __init__(self, emb_dir: str, url: str, expected: int, index: dict[str, Any], tids: list[str],
-                 warned: set[str]):
-        self.name = posixpath.basename(shard_path(url))
+                 warned: set[str], remote: RemoteConfig | None = None):
+        self.name, self.remote = posixpath.basename(shard_path(url)), remote
         self.where = f"teacher rows of {self.name} in {emb_dir}"
         self.reason: str | None = None  # what is wrong, naming the file
         self.keys: list[str] = []
@@ -159,9 +160,10 @@ class ShardTeachers:
 
     def _load(self, emb_dir: str, url: str, expected: int, index: dict[str, Any], tids: list[str]) -> None:
         k = int(index["augmentations"]["count"])
-        with open_url(join(emb_dir, self.name + KEYS)) as f:
+        with open_url(join(emb_dir, self.name + KEYS), self.remote) as f:
             keys = f.read().decode("utf-8").splitlines()
-        crops, counts = _load(emb_dir, self.name + CROPS, "iu"), _load(emb_dir, self.name + COUNTS, "iu")
+        crops = _load(emb_dir, self.name + CROPS, "iu", self.remote)
+        counts = _load(emb_dir, self.name + COUNTS, "iu", self.remote)
         if len(keys) != expected or crops.shape != (expected, 1 + k, 4) or counts.shape != (expected,):
             self.reason = (f"{len(keys)} keys, crops of shape {crops.shape} and {counts.shape[0]} caption counts for "
                            f"a shard of {expected} samples at K = {k}")
@@ -171,7 +173,7 @@ class ShardTeachers:
             return
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         images, texts, extras = [], [], []
-        nbytes = shard_bytes(url)
+        nbytes = shard_bytes(url, self.remote)
         for tid in tids:
             block = index["teachers"][tid]
             record = block["shards"].get(self.name)
@@ -184,7 +186,7 @@ class ShardTeachers:
             if nbytes is not None and record.get("bytes") is not None and nbytes != record["bytes"]:
                 self.reason = f"the shard has {nbytes} bytes, {record['bytes']} when it was embedded: it was rebuilt"
                 return
-            image, text, extra = (_load(emb_dir, self.name + s) for s in teacher_files(tid))
+            image, text, extra = (_load(emb_dir, self.name + s, remote=self.remote) for s in teacher_files(tid))
             e = int(block["dim"])
             if image.shape != (expected, 1 + k, e) or text.shape != (expected, e) or extra.shape != (offsets[-1], e):
                 self.reason = (f"teacher {tid}'s rows of shapes {image.shape}, {text.shape}, {extra.shape}; "
@@ -208,14 +210,14 @@ class ShardTeachers:
 class SourceTeachers:
     """A source's teacher folder: ``for_shard(url, expected)`` gives the shard's checked rows."""
 
-    def __init__(self, emb_dir: str, index: dict[str, Any], tids: list[str]):
-        self.emb_dir, self.index, self.tids = emb_dir, index, tids
+    def __init__(self, emb_dir: str, index: dict[str, Any], tids: list[str], remote: RemoteConfig | None = None):
+        self.emb_dir, self.index, self.tids, self.remote = emb_dir, index, tids, remote
         self.count = int(index["augmentations"]["count"])
         self.dims = [int(index["teachers"][t]["dim"]) for t in tids]
         self.warned: set[str] = set()
 
     def for_shard(self, url: str, expected: int) -> ShardTeachers:
-        return ShardTeachers(self.emb_dir, url, expected, self.index, self.tids, self.warned)
+        return ShardTeachers(self.emb_dir, url, expected, self.index, self.tids, self.warned, self.remote)
 
 
 def attach_teachers(sources: list, spec: str | None) -> list[int]:
@@ -226,8 +228,8 @@ def attach_teachers(sources: list, spec: str | None) -> list[int]:
     seen = None
     for source, d in zip(sources, dirs):
         emb_dir = d or posixpath.dirname(shard_path(source.urls[0])) or "."
-        index = read_teachers(emb_dir)
-        problem = teachers_problem(emb_dir) if index is None else None
+        index = read_teachers(emb_dir, source.remote)
+        problem = teachers_problem(emb_dir, remote=source.remote) if index is None else None
         if problem:
             raise ValueError(f"data.train source {source.spec}: {problem}")
         if index is None or not index["teachers"]:
@@ -244,5 +246,5 @@ def attach_teachers(sources: list, spec: str | None) -> list[int]:
             raise ValueError(f"data.train: the sources' teachers differ ({seen} vs {members}): embed every source "
                              "with the same --image-model list")
         seen = members
-        source.teachers = SourceTeachers(emb_dir, index, tids)
+        source.teachers = SourceTeachers(emb_dir, index, tids, source.remote)
     return [d for _, d in seen or []]

@@ -12,8 +12,9 @@ logged (url, attempt, error) and counted (:func:`take_retries`); a shard that st
 ``retries`` attempts raises, and the stream counts it ``unreadable_shard`` with the url and error in
 the log. Malformed tar data (bad header fields) is not retried: reading it again gives the same bytes.
 
-The options are process-wide (:func:`configure`; the trainer sets them from ``data.remote`` before
-its loader workers fork, so they inherit them); evaluation and ``data_tools`` use the defaults.
+The options are an argument (``remote``: a :class:`~mmpretrain.config.base.RemoteConfig`, the one type of
+them): the trainer passes ``data.remote`` to the sources, which carry it to every read of their shards,
+sidecars, keep-lists and teacher rows; evaluation and ``data_tools`` read with the defaults.
 Local paths and ``pipe:`` commands are read as before, without retries.
 """
 
@@ -21,10 +22,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import IO, Any
 
 from webdataset.gopen import gopen
+
+from mmpretrain.config.base import RemoteConfig
 
 log = logging.getLogger(__name__)
 
@@ -46,37 +48,17 @@ def shard_path(url: str) -> str:
     return url.removeprefix("file://")
 
 
-def open_url(url: str) -> IO[bytes]:
-    """A binary stream for a shard url (local, file://, pipe:, or any fsspec url)."""
+def open_url(url: str, remote: RemoteConfig | None = None) -> IO[bytes]:
+    """A binary stream for a shard url (local, file://, pipe:, or any fsspec url; ``remote``: the
+    options a remote one is opened with, default :data:`DEFAULT_REMOTE`)."""
     if url.startswith("pipe:") or is_local(url.removeprefix("file://")):
         return gopen(url.removeprefix("file://"), "rb")
-    return open_remote(url)  # data.remote's timeouts and storage options
+    return open_remote(url, remote)  # data.remote's timeouts and storage options
 
 
-@dataclass(frozen=True)
-class RemoteOptions:
-    retries: int = 5  # attempts after the first, per failure point
-    backoff: float = 1.0  # seconds before the first retry; doubled each further one
-    max_backoff: float = 30.0
-    timeout: float = 60.0  # seconds to connect, and without a byte, before a read fails
-    storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec (endpoint, profile, anon...)
-
-    def delay(self, attempt: int) -> float:
-        """Seconds to wait before retry ``attempt`` (1-based)."""
-        return min(self.max_backoff, self.backoff * 2 ** (attempt - 1))
-
-
-_options = RemoteOptions()
+# what evaluation and data_tools read with; the trainer passes data.remote
+DEFAULT_REMOTE = RemoteConfig()
 _retries = 0
-
-
-def configure(options: RemoteOptions) -> None:
-    global _options
-    _options = options
-
-
-def options() -> RemoteOptions:
-    return _options
 
 
 def take_retries() -> int:
@@ -90,11 +72,11 @@ def is_remote(url: str) -> bool:
     return not url.startswith(("pipe:", "file://")) and "://" in url
 
 
-def fs_kwargs(url: str, opts: RemoteOptions | None = None) -> dict[str, Any]:
+def fs_kwargs(url: str, opts: RemoteConfig | None = None) -> dict[str, Any]:
     """fsspec keyword arguments for ``url``: the timeout in each filesystem's own spelling, and the
     filesystem's own retries off where it has them (botocore's), so that retries are ours: counted,
     logged, with one backoff."""
-    opts = opts or _options
+    opts = opts or DEFAULT_REMOTE
     protocol = url.split("://", 1)[0]
     kw: dict[str, Any] = {}
     if protocol in ("http", "https"):
@@ -113,7 +95,7 @@ def fs_kwargs(url: str, opts: RemoteOptions | None = None) -> dict[str, Any]:
     return kw
 
 
-def open_remote(url: str, opts: RemoteOptions | None = None) -> IO[bytes]:
+def open_remote(url: str, opts: RemoteConfig | None = None) -> IO[bytes]:
     import fsspec
 
     try:
@@ -190,7 +172,7 @@ def describe(e: BaseException) -> str:
     return " <- ".join(parts)[:500]
 
 
-def retry_wait(url: str, attempt: int, error: BaseException, opts: RemoteOptions) -> None:
+def retry_wait(url: str, attempt: int, error: BaseException, opts: RemoteConfig) -> None:
     global _retries
     _retries += 1
     wait = opts.delay(attempt)

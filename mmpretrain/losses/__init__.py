@@ -112,7 +112,7 @@ def build_objective(terms: Sequence[dict], rank: int = 0, world_size: int = 1,
     ``needs_index_size`` unless their options set them."""
     built = []
     seen = set()
-    for t in terms:
+    for i, t in enumerate(terms):
         name = t["name"]
         if name not in LOSSES:
             raise ValueError(f"unknown objective {name!r}; choose one of {sorted(LOSSES)}")
@@ -127,10 +127,24 @@ def build_objective(terms: Sequence[dict], rank: int = 0, world_size: int = 1,
             if options.setdefault("index_size", index_size) < index_size:
                 raise ValueError(f"loss {name}: options.index_size={options['index_size']} is smaller than the "
                                  f"training data's {index_size} samples; leave it unset (the trainer sets it)")
-        built.append((name, t.get("weight", 1.0), cls(rank=rank, world_size=world_size, **options)))
+        try:  # the term's place in the config's loss list, with what its constructor refused
+            built.append((name, t.get("weight", 1.0), cls(rank=rank, world_size=world_size, **options)))
+        except TypeError as e:  # an option the constructor does not take
+            raise ValueError(f"loss.{i}: bad options for objective {name!r}: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"loss.{i}: {e}") from None
     return WeightedObjective(built)
+
+
+def validate_objective(terms: Sequence[dict]) -> WeightedObjective:
+    """:func:`build_objective` on one process before the data is known (the config's check when it
+    loads): an objective that declares ``needs_index_size`` gets a stand-in table length unless its
+    options set one; setup builds the real one with the data's sizes."""
+    stand_in = [dict(t, options={"index_size": 2, **t.get("options", {})})
+                if getattr(LOSSES.get(t["name"]), "needs_index_size", False) else t for t in terms]
+    return build_objective(stand_in)
 
 
 __all__ = ["LOSSES", "AlignUniformLoss", "ClipLoss", "CwclLoss", "DistillLoss", "GlobalClipLoss", "Objective", "RegionLoss",
            "ResaLoss", "SigmoidLoss",
-           "SoftTargetLoss", "VrnLoss", "WeightedObjective", "build_objective"]
+           "SoftTargetLoss", "VrnLoss", "WeightedObjective", "build_objective", "validate_objective"]

@@ -13,7 +13,7 @@ import torch
 from open_clip.transform import PreprocessCfg, image_transform_v2
 
 from mmpretrain.config import ConfigError, ExperimentConfig
-from mmpretrain.data import host_memory, urls
+from mmpretrain.data import host_memory
 from mmpretrain.data.crop import ResizedCrop
 from mmpretrain.data.decode import SampleDecoder, split_normalize
 from mmpretrain.data.device_decode import DeviceDecoder
@@ -42,10 +42,8 @@ class Data:
 def load_sources(cfg: ExperimentConfig) -> list[Source]:
     """``data.train``'s sources with their sidecar embeddings and keep-lists (the kept counts replace the
     shards'; sample indices stay theirs)."""
-    # process-wide, before the loader workers fork (they inherit it): every remote read of the run
-    urls.configure(urls.RemoteOptions(**cfg.data.remote.model_dump()))
-    try:
-        sources = resolve_sources(cfg.data.train, cfg.data.weights)
+    try:  # data.remote: carried by each source to every read of its files (the loader workers' too)
+        sources = resolve_sources(cfg.data.train, cfg.data.weights, cfg.data.remote)
         attach_embeddings(sources, cfg.data.embeddings)
         attach_keep(sources, cfg.data.keep)
     except (FileNotFoundError, ValueError) as e:
