@@ -34,7 +34,7 @@ from mmpretrain.data.sources import Source, resolve_source
 from mmpretrain.data.tar import UNREADABLE, read_tar
 from mmpretrain.data.urls import shard_path
 from mmpretrain.hub_cache import local_only, quiet_load, require_model
-from mmpretrain.launch import current_process
+from mmpretrain.process import current_process
 
 MARKERS = ".embed"  # per-shard completion records
 

@@ -43,7 +43,7 @@ from mmpretrain.data.teacher import (
     teachers_problem,
 )
 from mmpretrain.data.urls import shard_path
-from mmpretrain.launch import current_process
+from mmpretrain.process import current_process
 
 SAMPLER = "torchvision RandomResizedCrop.get_params distribution (mmpretrain.data.crop.CropSampler)"
 INTERPOLATIONS = {"bicubic": Image.BICUBIC, "bilinear": Image.BILINEAR, "nearest": Image.NEAREST,
@@ -58,7 +58,7 @@ class Teacher:
         import open_clip
         from torchvision import transforms as T
 
-        from mmpretrain.models.load import load_model
+        from mmpretrain.models.from_disk import load_model
 
         arch = spec in open_clip.list_models() and not Path(spec).exists()
         if arch and not pretrained:

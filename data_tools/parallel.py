@@ -23,7 +23,7 @@ from data_tools import __version__
 from data_tools.images import BadImage, encode, prepare
 from data_tools.sources.records import DUPLICATE_KEY, decode_caption, decode_image
 from mmpretrain.data.manifest import MANIFEST, SIZES, write_json_atomic
-from mmpretrain.launch import current_process
+from mmpretrain.process import current_process
 
 STATS_DIR = ".build"
 

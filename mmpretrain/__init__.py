@@ -13,7 +13,7 @@ def load(path: str, device: str = "cpu"):
     ``model`` is an open_clip model (``encode_image``/``encode_text``), ``preprocess`` the eval
     image transform, ``tokenizer`` the matching open_clip tokenizer.
     """
-    from mmpretrain.models.load import load_model
+    from mmpretrain.models.from_disk import load_model
 
     try:
         return load_model(path, device=device)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mmpretrain.eval import TASKS, evaluate
-from mmpretrain.models.load import load_model
+from mmpretrain.models.from_disk import load_model
 
 from ddp_helpers import run_ranks
 

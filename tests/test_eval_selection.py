@@ -119,7 +119,7 @@ def test_two_ranks_equal_one_process(exported, sugar_crepe, winoground, tmp_path
 
 def _rank_eval(rank, world, model_dir, sc, wino):
     from mmpretrain.eval import evaluate
-    from mmpretrain.models.load import load_model
+    from mmpretrain.models.from_disk import load_model
 
     model, preprocess, tokenizer = load_model(model_dir, device="cpu")
     return [evaluate(model, preprocess, tokenizer, spec, "image_caption_selection", batch_size=16, num_workers=1,

@@ -106,7 +106,7 @@ def test_a_lora_run_resumes_exactly_and_exports_the_merged_model(openmoji, tmp_p
     # the unmerged model as trained, for reference
     from mmpretrain.config import load_config
     from mmpretrain.losses import build_objective
-    from mmpretrain.train.build import build_model
+    from mmpretrain.train.run_setup import build_model
 
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs/demo.yaml",
                       ["data.train=unused", *TINY[:4], LORA])

@@ -12,7 +12,7 @@ import yaml
 
 from mmpretrain.config.load import load_config
 from mmpretrain.losses import LOSSES, build_objective
-from mmpretrain.testing.peak import traced_peak
+from mmpretrain.testing.largest_matrix import traced_peak
 from tests.conftest import ROOT
 
 GIB = 2**30

@@ -127,7 +127,7 @@ def test_in_tar_embeddings_still_train(openmoji, tmp_path):
                                         ("{test}", "records none of the shards")])
 def test_data_embeddings_errors_name_the_setting(openmoji, tmp_path, bad, words):
     from mmpretrain.config import ConfigError, load_config
-    from mmpretrain.train.build import load_sources
+    from mmpretrain.train.inputs import load_sources
 
     bad = bad.replace("{test}", str(openmoji / "test"))  # the held-out split's embeddings
     cfg = load_config(ROOT / "configs/demo.yaml", [f"data.train={openmoji / 'train'}",

@@ -30,7 +30,7 @@ def _index(data: Path) -> tuple[str, dict]:
 
 
 def test_embed_writes_the_teachers_rows_of_the_stored_crops(teacher_data):
-    from mmpretrain.models.load import load_model
+    from mmpretrain.models.from_disk import load_model
 
     data = teacher_data["data"]
     tid, index = _index(data)

@@ -224,7 +224,7 @@ def test_hub_push_uses_the_api_and_never_exposes_the_token(openmoji, tmp_path, m
         return type("Info", (), {"commit_url": f"https://huggingface.co/{kw['repo_id']}/commit/1"})()
 
     monkeypatch.setattr(huggingface_hub, "upload_folder", upload)
-    monkeypatch.setattr("mmpretrain.train.build.offline", lambda: False)  # the patched Hub is "online"
+    monkeypatch.setattr("mmpretrain.train.run_setup.offline", lambda: False)  # the patched Hub is "online"
     run_dir = tmp_path / "run"
     fit(setup_run(openmoji / "train", run_dir, *COMMON, "data.num_workers=0", "train.steps=4", "train.save_every=2",
                   "hub={repo_id: me/tiny, push_every: 2, revision: dev}"))

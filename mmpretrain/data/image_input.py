@@ -1,4 +1,4 @@
-"""The images' way from the loader to the model, built once per run (:func:`mmpretrain.train.build.setup`).
+"""The images' way from the loader to the model, built once per run (:func:`mmpretrain.train.run_setup.setup`).
 
 :class:`ImageInput` holds the loader's image transform (what the workers run), :class:`~mmpretrain.data.
 decode.DeviceNormalize` (uint8 batches normalised on the device) and, with ``data.decode=device``, the

@@ -5,7 +5,7 @@ One module per task, each with its metrics and its runner ``run(model, preproces
 ctx) -> {"n", "metrics", "chance", ...}``; :data:`TASKS` is the registry. :func:`evaluate` runs one
 (dataset, task); :class:`Evaluator` several, as the trainer calls it. With ``ctx.world_size > 1``
 (``accelerate launch``) every task splits the images across ranks and gathers them
-(:mod:`mmpretrain.eval.loop`): results equal one process's and are identical on every rank.
+(:mod:`mmpretrain.eval.context`): results equal one process's and are identical on every rank.
 
 Adding a task: a module with ``run``, an entry in :data:`TASKS` (saying which data it takes), a
 test against a naive reference and the 2-rank parity test in ``tests/test_eval.py``.
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mmpretrain.eval import clustering, knn, linear_probe, retrieval, selection, zero_shot
+from mmpretrain.eval.context import EvalContext, gather
 from mmpretrain.eval.datasets import EvalDataset, load_dataset, load_splits
-from mmpretrain.eval.loop import EvalContext, gather
 from mmpretrain.eval.selection_data import SelectionDataset, expand_spec, load_selection
 
 

@@ -25,7 +25,7 @@ from mmpretrain.eval import (
 )
 from mmpretrain.eval.datasets import BadEvalData
 from mmpretrain.eval.zero_shot import named_templates
-from mmpretrain.launch import current_process
+from mmpretrain.process import current_process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         # every dataset is checked before the model loads, and before open_clip is imported (~5 s): a
         # wrong path or a broken dataset is answered at once
         data = [load_task_data(d, t) for d, t in jobs]
-        from mmpretrain.models.load import load_model
+        from mmpretrain.models.from_disk import load_model
 
         try:
             model, preprocess, tokenizer = load_model(args.model, device=device, pretrained=args.pretrained)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from mmpretrain.eval.context import EvalContext
 from mmpretrain.eval.datasets import EvalDataset
 from mmpretrain.eval.features import image_features, num_classes
-from mmpretrain.eval.loop import EvalContext
 
 
 def clustering_metrics(x: torch.Tensor, y: torch.Tensor, num_classes: int, seed: int = 0) -> dict[str, float]:

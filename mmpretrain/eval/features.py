@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mmpretrain.eval.context import EvalContext, batches, cat_or_empty, gather_in_order
 from mmpretrain.eval.datasets import EvalDataset, check_labels
-from mmpretrain.eval.loop import EvalContext, batches, cat_or_empty, gather_in_order
 
 
 @torch.no_grad()

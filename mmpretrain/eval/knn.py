@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from mmpretrain.eval.context import EvalContext
 from mmpretrain.eval.datasets import EvalDataset
 from mmpretrain.eval.features import probe_features, suffixed_chance
-from mmpretrain.eval.loop import EvalContext
 
 
 def knn_accuracy(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor,

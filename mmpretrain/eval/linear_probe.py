@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from mmpretrain.eval.context import EvalContext
 from mmpretrain.eval.datasets import EvalDataset
 from mmpretrain.eval.features import probe_features, suffixed_chance
-from mmpretrain.eval.loop import EvalContext
 from mmpretrain.eval.zero_shot import classification_chance, classification_metrics
 
 C_GRID = (0.01, 0.1, 1.0, 10.0, 100.0)

@@ -8,8 +8,8 @@ import math
 
 import torch
 
+from mmpretrain.eval.context import EvalContext, batches, cat_or_empty, gather_in_order
 from mmpretrain.eval.datasets import EvalDataset
-from mmpretrain.eval.loop import EvalContext, batches, cat_or_empty, gather_in_order
 
 
 def retrieval_metrics(image_features: torch.Tensor, text_features: torch.Tensor, text_to_image: torch.Tensor,

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm.auto import tqdm
 
-from mmpretrain.eval.loop import EvalContext, gather, gather_in_order
+from mmpretrain.eval.context import EvalContext, gather, gather_in_order
 from mmpretrain.eval.selection_data import SelectionDataset
 
 

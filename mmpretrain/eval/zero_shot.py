@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from mmpretrain.eval.context import EvalContext, batches, cat_or_empty, gather_in_order, split_map
 from mmpretrain.eval.datasets import EvalDataset, check_labels
-from mmpretrain.eval.loop import EvalContext, batches, cat_or_empty, gather_in_order, split_map
 
 DEFAULT_TEMPLATES = ("a photo of a {c}.", "a {c}.", "an image of a {c}.")
 

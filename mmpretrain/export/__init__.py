@@ -94,7 +94,7 @@ def export(run_dir: str | Path, out: str | Path, *, fmt: str = "open_clip", towe
                           "it is not a run folder `python -m mmpretrain.train` wrote, or the file was removed; put "
                           "the run's model_config.json back")
     previous = check_out(files.root, out, overwrite)
-    from mmpretrain.models.load import WeightsError, load_run_clip
+    from mmpretrain.models.from_disk import WeightsError, load_run_clip
 
     try:
         clip, model_cfg, preprocess_cfg = load_run_clip(files.root, ema=ema)

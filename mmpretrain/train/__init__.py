@@ -1,7 +1,7 @@
 """The trainer: ``python -m mmpretrain.train --config FILE [a.b=value ...]``, or
 ``accelerate launch -m mmpretrain.train ...``.
 
-``setup(cfg) -> Run`` (:mod:`~mmpretrain.train.build`) builds everything from a validated config and
+``setup(cfg) -> Run`` (:mod:`~mmpretrain.train.run_setup`) builds everything from a validated config and
 restores a checkpoint; ``train_step(run, batch)`` is one optimizer step and ``fit(run)`` the loop
 (:mod:`~mmpretrain.train.loop`); :mod:`~mmpretrain.train.state` holds ``Run`` and ``TrainState``;
 :mod:`~mmpretrain.train.cli` the command line.
@@ -20,7 +20,7 @@ __all__ = ["Run", "TrainState", "fit", "main", "setup", "train_step"]
 
 def __getattr__(name: str):
     if name == "setup":
-        from mmpretrain.train.build import setup
+        from mmpretrain.train.run_setup import setup
 
         return setup
     if name in ("train_step", "fit"):

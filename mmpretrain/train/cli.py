@@ -25,9 +25,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from mmpretrain.data.device_decode import DeviceDecodeError
     from mmpretrain.data.reader import StreamError
-    from mmpretrain.train.build import setup
     from mmpretrain.train.disk import CheckpointWriteError
     from mmpretrain.train.loop import fit
+    from mmpretrain.train.run_setup import setup
 
     try:
         run = setup(cfg)

@@ -1,7 +1,7 @@
-"""The run's training inputs, made in :func:`mmpretrain.train.build.setup`: the sources with everything
+"""The run's training inputs, made in :func:`mmpretrain.train.run_setup.setup`: the sources with everything
 attached to them (sidecar embeddings, keep-lists, stored teachers), the stream plan and schedule over
 them, the image input (open_clip's training transform in the loader, its normalisation and optionally
-decoding on the device) and the rank's loader. ``model`` arguments are :class:`~mmpretrain.train.build.Model`
+decoding on the device) and the rank's loader. ``model`` arguments are :class:`~mmpretrain.train.run_setup.Model`
 records (their ``model_cfg`` and ``preprocess_cfg`` are read)."""
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from mmpretrain.train.checkpoint import save_checkpoint
 from mmpretrain.train.diagnostics import plot_run
 from mmpretrain.train.grad_cache import StepResult, forward_backward
 from mmpretrain.train.nonfinite import NonFinite
-from mmpretrain.train.observe import all_ranks_skipped, diagnostics, evaluate, log_record
+from mmpretrain.train.reports import all_ranks_skipped, diagnostics, evaluate, log_record
 from mmpretrain.train.schedule import lr_at
 from mmpretrain.train.state import Run
 

@@ -59,7 +59,7 @@ def main() -> int:
     import torch
 
     from mmpretrain.eval import evaluate
-    from mmpretrain.models.load import load_model
+    from mmpretrain.models.from_disk import load_model
 
     torch.manual_seed(0)
     model, preprocess, tokenizer = load_model(args.model, device="cpu")

@@ -103,7 +103,7 @@ def test_broken_eval_data_is_one_clear_line(openmoji, tmp_path, capsys, change, 
 
 
 def test_output_that_is_not_a_results_file_is_refused_before_evaluating(openmoji, tmp_path, capsys, monkeypatch):
-    import mmpretrain.models.load as loading
+    import mmpretrain.models.from_disk as loading
     from mmpretrain.eval.cli import main
 
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
