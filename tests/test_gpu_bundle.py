@@ -49,5 +49,6 @@ def test_the_bundle_installs_only_what_an_image_lacks_and_the_check_runs_from_it
     assert v["webdataset"]["from"] == "bundle" and v["deepspeed"]["from"] == "bundle", v
     step = result["sections"]["step"]
     assert "error" not in step, step
-    assert set(step["end_to_end"]["samples_per_s"]) == {"ours_decode_worker", "ours_decode_device", "open_clip_train"}
+    assert set(step["end_to_end"]["summary"]["samples_per_s"]) == {"ours_decode_worker", "ours_decode_device",
+                                                                  "open_clip_train"}
     assert all("error" not in result["sections"][s] for s in ("loss_memory", "precision")), result["sections"]

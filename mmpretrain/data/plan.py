@@ -52,7 +52,7 @@ def shards_of(sources: list[Source]) -> list[Shard]:
     out, offset = [], 0
     for s in sources:
         for i, url in enumerate(s.urls):
-            full = (s.full_sizes or s.sizes)[i]
+            full = s.shard_counts[i]
             out.append(Shard(url, offset, s.sizes[i], full, s.embeddings, s.teachers, s.keep[i] if s.keep else None,
                              s.remote))
             offset += full

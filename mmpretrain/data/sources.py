@@ -51,6 +51,11 @@ class Source:
     def num_samples(self) -> int:
         return sum(self.sizes)
 
+    @property
+    def shard_counts(self) -> list[int]:
+        """Each shard's count in sizes.json (its sample positions; ``sizes`` are the kept ones with data.keep)."""
+        return self.full_sizes or self.sizes
+
 
 def _near(urls: list[str], name: str) -> str:
     folder = posixpath.dirname(shard_path(urls[0]))

@@ -32,7 +32,7 @@ from mmpretrain.data.position import StreamPosition
 from mmpretrain.losses import WeightedObjective
 from mmpretrain.run_files import EMA_WEIGHTS, MODEL_WEIGHTS, OBJECTIVE_STATE, TRAIN_STATE, RunFolder
 from mmpretrain.train.disk import CheckpointWriteError, disk_full, free_bytes
-from mmpretrain.train.engine import engine_name
+from mmpretrain.train.engine import SHARDED, engine_name, gathered_weights
 from mmpretrain.train.state import TrainState
 
 __all__ = ["Resume", "build_position", "check_layout", "check_resume", "checkpoint_layout", "choose_resume",
@@ -60,7 +60,7 @@ def save_checkpoint(accelerator, files: RunFolder, step: int, train_state: dict[
     try:
         accelerator.save_state(str(tmp), safe_serialization=True)
         engine = engine_name(accelerator)
-        if engine in ("FSDP", "DEEPSPEED") and model is not None:
+        if engine in SHARDED and model is not None:
             write_full_weights(accelerator, model, tmp, engine)
         accelerator.wait_for_everyone()  # no rank may still be writing into tmp when it is renamed
         if accelerator.is_main_process:
@@ -93,26 +93,16 @@ def save_checkpoint(accelerator, files: RunFolder, step: int, train_state: dict[
 
 
 def write_full_weights(accelerator, model: torch.nn.Module, folder: Path, engine: str) -> None:
-    """``folder/model.safetensors``: the full weights of an FSDP- or DeepSpeed-prepared model (call on
-    every rank). FSDP: accelerate's gathered state dict. DeepSpeed: the fp32 master weights from the
-    ZeRO checkpoint just written (the module itself holds bf16/fp16 copies under mixed precision)."""
+    """``folder/model.safetensors``: the full weights of an FSDP- or DeepSpeed-prepared model, gathered by
+    the engine (:func:`~mmpretrain.train.engine.gathered_weights`; call on every rank)."""
     from mmpretrain.models.factory import scalar_logits
 
-    if engine == "DEEPSPEED":
-        accelerator.wait_for_everyone()  # every rank's optimizer partition is on disk
-        state = None
-        if accelerator.is_main_process:
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-            state = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag="pytorch_model")
-    else:
-        state = accelerator.get_state_dict(model)
+    state = gathered_weights(accelerator, model, folder, engine)
     if accelerator.is_main_process:
         save_file({k: v.detach().float().cpu().contiguous() if v.is_floating_point() else v.detach().cpu().contiguous()
                    for k, v in scalar_logits(state).items()}, str(folder / MODEL_WEIGHTS))
 
 
-LAYOUTS = {"FSDP": "FSDP", "DEEPSPEED": "DeepSpeed"}  # accelerate's distributed type -> its save_state layout
 
 
 def checkpoint_layout(ckpt: Path) -> str:
@@ -129,7 +119,7 @@ def checkpoint_layout(ckpt: Path) -> str:
 def check_layout(ckpt: Path, engine: str) -> None:
     """A resume reads the engine's own files: refuse a checkpoint another engine wrote, with the fix."""
     have = checkpoint_layout(ckpt)
-    want = LAYOUTS.get(engine, "DDP")
+    want = SHARDED.get(engine, "DDP")  # each sharding engine's save_state has its own layout
     if have != want:
         raise ConfigError(f"{ckpt} was written under {have}, this launch uses {want}: resume it with the same "
                           f"accelerate config, or start a new run_dir from its weights (model.pretrained={ckpt})")

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from mmpretrain.run_files import RunFolder
+from mmpretrain.train.engine import SHARDED
 
 __all__ = ["CheckpointWriteError", "check_disk", "checkpoint_bytes", "disk_full", "free_bytes"]
 
@@ -42,7 +43,7 @@ def checkpoint_bytes(module: torch.nn.Module, engine: str = "DDP") -> tuple[int,
     is written beside it (counted in the model bytes)."""
     model = sum(t.numel() * t.element_size() for t in module.state_dict().values())
     optimizer = 8 * sum(p.numel() for p in module.parameters() if p.requires_grad)
-    if engine in ("FSDP", "DEEPSPEED"):
+    if engine in SHARDED:
         model += 4 * sum(t.numel() for t in module.state_dict().values() if t.is_floating_point())
     return model, optimizer
 

@@ -140,6 +140,21 @@ def _launched_engine() -> str | None:
     return None
 
 
+def gathered_weights(accelerator, model: torch.nn.Module, checkpoint, engine: str) -> dict | None:
+    """The full weights of an FSDP- or DeepSpeed-prepared model for a checkpoint (call on every rank; the
+    main process gets them, the others None). FSDP: accelerate's gathered state dict. DeepSpeed: the fp32
+    master weights from the ZeRO checkpoint just written into ``checkpoint`` (the module itself holds
+    bf16/fp16 copies under mixed precision)."""
+    if engine == "DEEPSPEED":
+        accelerator.wait_for_everyone()  # every rank's optimizer partition is on disk
+        if not accelerator.is_main_process:
+            return None
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="pytorch_model")
+    return accelerator.get_state_dict(model)
+
+
 @contextlib.contextmanager
 def full_weights(accelerator, model: torch.nn.Module):
     """The unwrapped module with its full weights, for calls outside the prepared model's forward

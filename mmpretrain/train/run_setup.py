@@ -207,7 +207,7 @@ def setup(cfg: ExperimentConfig) -> Run:
     sources = load_sources(cfg)
     # sample indices run over every source's shards (sizes.json): the per-sample tables' length
     objective = build_objective_for(cfg, rank, world, samples_per_epoch(cfg, sources), sharded=sharded,
-                                    index_size=sum(sum(s.full_sizes or s.sizes) for s in sources))
+                                    index_size=sum(sum(s.shard_counts) for s in sources))
     teacher_dims = attach_teachers_for(cfg, sources, objective)
     data = build_data(cfg, sources, world)  # the plan's shard records carry everything attached
     if acc.is_main_process and (note := shard_sharing_note(data.plan)):
