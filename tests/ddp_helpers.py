@@ -78,9 +78,12 @@ class _Pool:
                 rank, error = self.done.get(timeout=2)
                 errors[rank] = error
             except queue.Empty:
-                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in errors]
                 if dead or time.time() > deadline:
-                    raise RuntimeError(f"rank(s) {dead} died" if dead else f"no result within {timeout:.0f} s") from None
+                    silent = [r for r in range(self.world) if r not in errors]
+                    said = "".join(f"\nrank {r} failed:\n{e}" for r, e in sorted(errors.items()) if e)
+                    raise RuntimeError((f"rank(s) {dead} died" if dead else
+                                        f"rank(s) {silent} gave no result within {timeout:.0f} s") + said) from None
         failed = {r: e for r, e in errors.items() if e}
         if failed:
             rank = min(failed)

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import os
-import sys
+from functools import partial
 
 from torch.utils.data import DataLoader, IterableDataset
 
+from mmpretrain.data.workers import start_method
 
-def _lower_priority(nice: int):
-    def init(worker_id: int) -> None:
-        os.nice(nice)
 
-    return init
+def _lower_priority(nice: int, worker_id: int) -> None:
+    os.nice(nice)
 
 
 def make_loader(stream: IterableDataset, num_workers: int, pin_memory: bool = False, worker_nice: int = 0,
@@ -21,6 +20,7 @@ def make_loader(stream: IterableDataset, num_workers: int, pin_memory: bool = Fa
     decoding-bound GPU hosts) the training process's threads then keep their cores and the workers,
     which run ahead by ``prefetch_factor`` batches each, fill the gaps (host memory:
     :mod:`mmpretrain.data.host_memory`)."""
+    init = partial(_lower_priority, worker_nice) if num_workers and worker_nice else None
     return DataLoader(
         stream,
         batch_size=None,
@@ -28,6 +28,6 @@ def make_loader(stream: IterableDataset, num_workers: int, pin_memory: bool = Fa
         persistent_workers=num_workers > 0,
         pin_memory=pin_memory,
         prefetch_factor=prefetch_factor if num_workers > 0 else None,
-        multiprocessing_context="fork" if num_workers and sys.platform == "linux" else None,
-        worker_init_fn=_lower_priority(worker_nice) if num_workers and worker_nice else None,
+        multiprocessing_context=start_method(stream, init) if num_workers else None,
+        worker_init_fn=init,
     )

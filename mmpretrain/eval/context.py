@@ -11,7 +11,6 @@ empty one), so none is left waiting."""
 from __future__ import annotations
 
 import math
-import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -21,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm.auto import tqdm
+
+from mmpretrain.data.workers import start_method
 
 
 @dataclass(frozen=True)
@@ -79,12 +80,10 @@ def batches(ds, preprocess, ctx: EvalContext, labelled_only: bool = False,
             desc: str = "") -> Iterator[tuple[torch.Tensor, torch.Tensor, list[list[str]], list[int | None]]]:
     """``(indices, images, captions, labels)`` batches of this rank's share, with a progress bar on rank 0.
     Undecodable images are left out and counted in ``ctx.skipped``."""
-    # fork (Linux's default) even inside a process that was itself spawned, where workers would
-    # otherwise re-import everything (~9 s each here)
     workers = ctx.num_workers
-    mp_context = "fork" if workers and sys.platform == "linux" else None
-    loader = DataLoader(_Share(ds, preprocess, ctx.rank, ctx.world_size, labelled_only), batch_size=ctx.batch_size,
-                        num_workers=workers, collate_fn=_collate, multiprocessing_context=mp_context)
+    share = _Share(ds, preprocess, ctx.rank, ctx.world_size, labelled_only)
+    loader = DataLoader(share, batch_size=ctx.batch_size, num_workers=workers, collate_fn=_collate,
+                        multiprocessing_context=start_method(share, _collate) if workers else None)
     n = None if labelled_only else ds.num_samples()
     total = math.ceil(n / ctx.world_size) if n is not None else None
     with tqdm(total=total, desc=desc or ds.name, unit="img", disable=ctx.rank != 0, leave=False) as bar:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import sys
 from collections import Counter
 from functools import cache
 
@@ -26,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm.auto import tqdm
 
+from mmpretrain.data.workers import start_method
 from mmpretrain.eval.context import EvalContext, gather, gather_in_order
 from mmpretrain.eval.selection_data import SelectionDataset
 
@@ -90,9 +90,9 @@ def _collate(rows):
 def run(model, preprocess, tokenizer, ds: SelectionDataset, ctx: EvalContext) -> dict:
     ctx.skipped.update(ds.malformed if ctx.rank == 0 else {})  # counted once, at load
     workers = ctx.num_workers
-    mp_context = "fork" if workers and sys.platform == "linux" else None
-    loader = DataLoader(_Share(ds, preprocess, ctx.rank, ctx.world_size), batch_size=ctx.batch_size,
-                        num_workers=workers, collate_fn=_collate, multiprocessing_context=mp_context)
+    share = _Share(ds, preprocess, ctx.rank, ctx.world_size)
+    loader = DataLoader(share, batch_size=ctx.batch_size, num_workers=workers, collate_fn=_collate,
+                        multiprocessing_context=start_method(share, _collate) if workers else None)
     index, text_ok, image_ok, shapes = [], [], [], []
     total = math.ceil(len(ds) / ctx.world_size)
     with tqdm(total=total, desc=f"{ds.name} selection", unit="inst", disable=ctx.rank != 0, leave=False) as bar:
