@@ -40,11 +40,13 @@ WHAT = {
     "train_global_clip": "training step, `global_clip` (FastCLIP-v3) / plain CLIP, seconds per step (tiny config)",
     "train_objective_cost": "training step, CLIP + 0.5 x `resa` (online) / plain CLIP, seconds per step (tiny config, "
                             "batch 128); momentum `resa` 1.29x and `hard_negatives` 1.52x in the same run",
+    "worker_start": "evaluation pass seconds under a process group (zero-shot, 5,000 MNIST digits, 2 workers), workers "
+                    "from the fork server / forked from the rank; loader starts that hung, in `extra.hangs`",
     "device_step": "`data.decode=device` crop stage at B = 256 photos (224 px): operator calls per batch, per-image "
                    "(the earlier CUDA path's ops) / batched (Pillow's weights in two matmuls); on this CPU the "
                    "batched stage computes 27x longer (dense products), on a GPU it is off the training thread",
 }
-ORDER = ["train", "train_global_clip", "train_objective_cost", "loader", "loader_photo", "loader_photo_limit", "loader_photo_device_cpu", "device_step", "loss", "regions", "eval", "embed", "teacher_embed", "filter"]
+ORDER = ["train", "train_global_clip", "train_objective_cost", "loader", "loader_photo", "loader_photo_limit", "loader_photo_device_cpu", "device_step", "loss", "regions", "eval", "worker_start", "embed", "teacher_embed", "filter"]
 
 
 def fmt(x: float) -> str:
