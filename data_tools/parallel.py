@@ -23,7 +23,7 @@ from data_tools import __version__
 from data_tools.images import BadImage, encode, prepare
 from data_tools.sources.records import DUPLICATE_KEY, decode_caption, decode_image
 from mmpretrain.data.manifest import MANIFEST, SIZES, write_json_atomic
-from mmpretrain.data.workers import start_method
+from mmpretrain.data.workers import start_method, worker_init
 from mmpretrain.process import current_process
 
 STATS_DIR = ".build"
@@ -137,7 +137,7 @@ def build_parallel(source, out: str | Path, *, prefix: str, shard_size: int, wor
         if stale.name.split("_")[0].removesuffix(".tar.tmp") in mine:
             stale.unlink()
     if workers > 1 and len(tasks) > 1:
-        with get_context(start_method(write_chunk, tasks)).Pool(min(workers, len(tasks))) as pool:
+        with get_context(start_method(write_chunk, tasks)).Pool(min(workers, len(tasks)), worker_init()) as pool:
             for _ in pool.imap_unordered(write_chunk, tasks):
                 pass
     else:

@@ -10,16 +10,18 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
-from mmpretrain.data.workers import modules_needed, start_method
+from mmpretrain.data.workers import modules_needed, start_method, worker_init
 
 from ddp_helpers import run_ranks
 
 
 class _ParentPid(IterableDataset):
-    """Yields the worker's parent process id."""
+    """Yields the worker's parent process id and its end of the fork server's alive pipe."""
 
     def __iter__(self):
-        yield os.getppid()
+        import multiprocessing.forkserver
+
+        yield os.getppid(), multiprocessing.forkserver._forkserver._forkserver_alive_fd
 
 
 def _after_a_collective(rank, world):
@@ -31,14 +33,16 @@ def _after_a_collective(rank, world):
     import multiprocessing.forkserver as fs
 
     preload = list(fs._forkserver._preload_modules)
-    parents = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=method))
-    return {"method": method, "preload": preload, "pid": os.getpid(), "parents": parents, "gathered": out}
+    seen = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=method,
+                           worker_init_fn=worker_init()))
+    return {"method": method, "preload": preload, "pid": os.getpid(), "parents": [p for p, _ in seen],
+            "alive_fds": [fd for _, fd in seen], "gathered": out}
 
 
 def test_workers_fork_without_a_process_group_and_come_from_a_fork_server_under_one(tmp_path):
     ds = _ParentPid()
     assert start_method(ds) == "fork"
-    assert list(DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="fork")) == [os.getpid()]
+    assert [p for p, _ in DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="fork")] == [os.getpid()]
     for rank, got in enumerate(run_ranks(_after_a_collective, (), tmp_path, world=2)):
         assert got["gathered"] == [0, 1]
         assert got["method"] == "forkserver", got
@@ -46,9 +50,12 @@ def test_workers_fork_without_a_process_group_and_come_from_a_fork_server_under_
         # two workers, both children of the server, neither of the rank
         assert len(got["parents"]) == 2 and got["pid"] not in got["parents"], (rank, got)
         assert len(set(got["parents"])) == 1, got
+        # each worker closed its end of the server's alive pipe: a rank killed outright takes its server
+        # and workers with it (tests/reliability/test_rank_failure.py)
+        assert got["alive_fds"] == [None, None], got
 
 
-def test_the_preload_is_what_the_pickle_names(openmoji):
+def test_the_preload_is_the_modules_the_workers_objects_come_from(openmoji):
     from mmpretrain.eval.context import _collate, _Share
     from mmpretrain.eval.datasets import load_dataset
     from mmpretrain.models.from_disk import load_model

@@ -7,7 +7,7 @@ from functools import partial
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from mmpretrain.data.workers import start_method
+from mmpretrain.data.workers import start_method, worker_init
 
 
 def _lower_priority(nice: int, worker_id: int) -> None:
@@ -20,7 +20,7 @@ def make_loader(stream: IterableDataset, num_workers: int, pin_memory: bool = Fa
     decoding-bound GPU hosts) the training process's threads then keep their cores and the workers,
     which run ahead by ``prefetch_factor`` batches each, fill the gaps (host memory:
     :mod:`mmpretrain.data.host_memory`)."""
-    init = partial(_lower_priority, worker_nice) if num_workers and worker_nice else None
+    init = worker_init(partial(_lower_priority, worker_nice) if worker_nice else None) if num_workers else None
     return DataLoader(
         stream,
         batch_size=None,

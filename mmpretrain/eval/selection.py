@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm.auto import tqdm
 
-from mmpretrain.data.workers import start_method
+from mmpretrain.data.workers import start_method, worker_init
 from mmpretrain.eval.context import EvalContext, gather, gather_in_order
 from mmpretrain.eval.selection_data import SelectionDataset
 
@@ -92,7 +92,8 @@ def run(model, preprocess, tokenizer, ds: SelectionDataset, ctx: EvalContext) ->
     workers = ctx.num_workers
     share = _Share(ds, preprocess, ctx.rank, ctx.world_size)
     loader = DataLoader(share, batch_size=ctx.batch_size, num_workers=workers, collate_fn=_collate,
-                        multiprocessing_context=start_method(share, _collate) if workers else None)
+                        multiprocessing_context=start_method(share, _collate) if workers else None,
+                        worker_init_fn=worker_init() if workers else None)
     index, text_ok, image_ok, shapes = [], [], [], []
     total = math.ceil(len(ds) / ctx.world_size)
     with tqdm(total=total, desc=f"{ds.name} selection", unit="inst", disable=ctx.rank != 0, leave=False) as bar:
