@@ -9,7 +9,7 @@ to do so creates a Python thread state without holding the GIL, taking the inter
 lock. A fork at that instant leaves the child waiting on that lock forever in CPython before 3.11.10
 and 3.12.1 (gh-112275, also backported to 3.10 and 3.9 late) -- the 3.11.7 this project is tested on,
 and the interpreter of many clusters. Evaluation on 2 gloo ranks, which starts a DataLoader straight
-after an ``all_gather_object``, hung so in 3 of 150 runs here; 8 of 3,000 such loader starts did
+after an ``all_gather_object``, hung so in 3 of 150 runs here; 9 of 3,000 such loader starts did
 (scripts/bench/bench_worker_start.py), 0 of 3,000 from the fork server.
 
 So: ``fork`` in a process without a process group; under one, a fork server -- a process started by
