@@ -70,13 +70,15 @@ def start_method(*objects) -> str | None:
     """The multiprocessing start method for workers that receive ``objects`` (``multiprocessing_context``
     of a DataLoader, ``multiprocessing.get_context`` of a pool); start the workers with
     :func:`worker_init`. ``None``: the platform's default (spawn on macOS and Windows). Under a process
-    group the fork server's preload is set from ``objects`` (read when this process first starts a
-    worker)."""
+    group the fork server's preload is set from ``objects`` and the server started, once per process."""
     if sys.platform != "linux":
         return None
     if not (dist.is_available() and dist.is_initialized()):
         return "fork"
     multiprocessing.set_forkserver_preload(["torch", *modules_needed(*objects)])
+    # started now (by exec; it imports in the background) rather than at the loader's first batch: the
+    # training loader is made before the model is wrapped and the checkpoint restored
+    multiprocessing.forkserver.ensure_running()
     return "forkserver"
 
 
