@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
-from mmpretrain.data.workers import modules_needed, start_method, worker_init
+from mmpretrain.data.workers import loader_workers, modules_needed, start_method
 
 from ddp_helpers import run_ranks
 
@@ -33,8 +33,7 @@ def _after_a_collective(rank, world):
     import multiprocessing.forkserver as fs
 
     preload = list(fs._forkserver._preload_modules)
-    seen = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=method,
-                           worker_init_fn=worker_init()))
+    seen = list(DataLoader(ds, batch_size=None, **loader_workers(2, ds)))
     return {"method": method, "preload": preload, "pid": os.getpid(), "parents": [p for p, _ in seen],
             "alive_fds": [fd for _, fd in seen], "gathered": out}
 

@@ -7,7 +7,7 @@ from functools import partial
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from mmpretrain.data.workers import start_method, worker_init
+from mmpretrain.data.workers import loader_workers
 
 
 def _lower_priority(nice: int, worker_id: int) -> None:
@@ -20,14 +20,11 @@ def make_loader(stream: IterableDataset, num_workers: int, pin_memory: bool = Fa
     decoding-bound GPU hosts) the training process's threads then keep their cores and the workers,
     which run ahead by ``prefetch_factor`` batches each, fill the gaps (host memory:
     :mod:`mmpretrain.data.host_memory`)."""
-    init = worker_init(partial(_lower_priority, worker_nice) if worker_nice else None) if num_workers else None
     return DataLoader(
         stream,
         batch_size=None,
-        num_workers=num_workers,
+        **loader_workers(num_workers, stream, then=partial(_lower_priority, worker_nice) if worker_nice else None),
         persistent_workers=num_workers > 0,
         pin_memory=pin_memory,
         prefetch_factor=prefetch_factor if num_workers > 0 else None,
-        multiprocessing_context=start_method(stream, init) if num_workers else None,
-        worker_init_fn=init,
     )

@@ -99,3 +99,13 @@ def worker_init(then=None):
     """A worker's first call (a DataLoader's ``worker_init_fn``, a pool's ``initializer``): closes the
     worker's end of the fork server's alive pipe (see the module's doc), then calls ``then(*args)``."""
     return partial(_init, then)
+
+
+def loader_workers(num_workers: int, *objects, then=None) -> dict:
+    """A DataLoader's worker arguments: ``num_workers``, the start method for workers that receive
+    ``objects`` and :func:`worker_init` (then ``then(worker_id)``); in-process loading for 0."""
+    if not num_workers:
+        return {"num_workers": 0}
+    init = worker_init(then)
+    return {"num_workers": num_workers, "multiprocessing_context": start_method(*objects, init),
+            "worker_init_fn": init}

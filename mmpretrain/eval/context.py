@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm.auto import tqdm
 
-from mmpretrain.data.workers import start_method, worker_init
+from mmpretrain.data.workers import loader_workers
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,9 @@ def batches(ds, preprocess, ctx: EvalContext, labelled_only: bool = False,
             desc: str = "") -> Iterator[tuple[torch.Tensor, torch.Tensor, list[list[str]], list[int | None]]]:
     """``(indices, images, captions, labels)`` batches of this rank's share, with a progress bar on rank 0.
     Undecodable images are left out and counted in ``ctx.skipped``."""
-    workers = ctx.num_workers
     share = _Share(ds, preprocess, ctx.rank, ctx.world_size, labelled_only)
-    loader = DataLoader(share, batch_size=ctx.batch_size, num_workers=workers, collate_fn=_collate,
-                        multiprocessing_context=start_method(share, _collate) if workers else None,
-                        worker_init_fn=worker_init() if workers else None)
+    loader = DataLoader(share, batch_size=ctx.batch_size, collate_fn=_collate,
+                        **loader_workers(ctx.num_workers, share, _collate))
     n = None if labelled_only else ds.num_samples()
     total = math.ceil(n / ctx.world_size) if n is not None else None
     with tqdm(total=total, desc=desc or ds.name, unit="img", disable=ctx.rank != 0, leave=False) as bar:

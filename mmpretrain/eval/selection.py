@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm.auto import tqdm
 
-from mmpretrain.data.workers import start_method, worker_init
+from mmpretrain.data.workers import loader_workers
 from mmpretrain.eval.context import EvalContext, gather, gather_in_order
 from mmpretrain.eval.selection_data import SelectionDataset
 
@@ -89,11 +89,9 @@ def _collate(rows):
 @torch.no_grad()
 def run(model, preprocess, tokenizer, ds: SelectionDataset, ctx: EvalContext) -> dict:
     ctx.skipped.update(ds.malformed if ctx.rank == 0 else {})  # counted once, at load
-    workers = ctx.num_workers
     share = _Share(ds, preprocess, ctx.rank, ctx.world_size)
-    loader = DataLoader(share, batch_size=ctx.batch_size, num_workers=workers, collate_fn=_collate,
-                        multiprocessing_context=start_method(share, _collate) if workers else None,
-                        worker_init_fn=worker_init() if workers else None)
+    loader = DataLoader(share, batch_size=ctx.batch_size, collate_fn=_collate,
+                        **loader_workers(ctx.num_workers, share, _collate))
     index, text_ok, image_ok, shapes = [], [], [], []
     total = math.ceil(len(ds) / ctx.world_size)
     with tqdm(total=total, desc=f"{ds.name} selection", unit="inst", disable=ctx.rank != 0, leave=False) as bar:
