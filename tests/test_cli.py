@@ -1,19 +1,77 @@
-"""Every command's help and its answer to bad arguments (exit 2). Each entry point's --help runs as a
-user runs it, in a new interpreter (it must answer without the trainer's imports); the subcommands'
-help and the refusals run the same ``main`` in this process."""
+"""Every command's help and its answer to bad arguments (exit 2). Each entry point -- every ``python -m``
+module of the packages and every console script pyproject.toml installs -- runs --help as a user runs
+it, in a new interpreter (it must answer without the trainer's imports); the subcommands' help and the
+refusals run the same ``main`` in this process."""
+
+import ast
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
+import tomllib
 
-from conftest import run_cli, run_main
+from conftest import ROOT, run_cli, run_main
+
+PACKAGES = ("mmpretrain", "data_tools")
 
 
-@pytest.mark.parametrize("args", [("data_tools", "--help"), ("mmpretrain.train", "--help"),
-                                  ("mmpretrain.eval", "--help"), ("mmpretrain.export", "--help")])
+def _module_entries() -> list[str]:
+    """The ``python -m`` entries: every package with a ``__main__.py`` and every module with a top-level
+    ``if __name__ == "__main__":`` (found in the source, so that a new one is tested without listing it)."""
+    found = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            if path.name == "__main__.py":
+                found.append(name[: -len(".__main__")])
+            elif any(isinstance(node, ast.If) and "__name__" in ast.unparse(node.test) and "__main__" in
+                     ast.unparse(node.test) for node in ast.parse(path.read_text()).body):
+                found.append(name)
+    return found
+
+
+def _console_scripts() -> dict[str, str]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+
+
+def test_the_entries_are_found():
+    assert {"data_tools", "mmpretrain.train", "mmpretrain.eval", "mmpretrain.export",
+            "mmpretrain.hub_cache"} <= set(_module_entries())
+    assert set(_console_scripts()) == {"mmpretrain-train", "mmpretrain-eval", "mmpretrain-export", "mmpretrain-data"}
+
+
+@pytest.mark.parametrize("module", _module_entries())
 @pytest.mark.integration  # starts processes (or builds real data): not in make test-unit
-def test_help(args):
-    r = run_cli(*args)
+def test_help(module):
+    r = run_cli(module, "--help")
     assert r.returncode == 0, r.stderr
     assert "usage:" in r.stdout
+
+
+@pytest.mark.parametrize("name", sorted(_console_scripts()))
+@pytest.mark.integration
+def test_console_script_help(name):
+    """The installed script (what ``pip install`` put beside the interpreter) and its target: the same
+    ``main`` as the ``python -m`` entry, so both answer alike."""
+    target = _console_scripts()[name]
+    installed = {ep.name: ep.value for ep in entry_points(group="console_scripts") if ep.name == name}
+    assert installed.get(name) == target, f"{name}: installed {installed.get(name)}, pyproject says {target}: reinstall"
+    exe = Path(sys.executable).parent / name
+    r = subprocess.run([str(exe), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "usage:" in r.stdout
+    module = target.split(":")[0].removesuffix(".cli")
+    assert r.stdout == run_main(module, "--help").stdout  # the python -m entry's parser (each names its prog)
+
+
+def test_package_data_is_there():
+    """Every package-data pattern names files that exist (a pattern matching nothing ships nothing)."""
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for package, patterns in data.items():
+        for pattern in patterns:
+            assert list((ROOT / package).glob(pattern)), f"package-data {package}: {pattern} matches no file"
 
 
 @pytest.mark.parametrize("sub", ["build", "embed", "verify", "stats"])
