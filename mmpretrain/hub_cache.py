@@ -19,7 +19,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-DEMO_TEXT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+from mmpretrain.config.base import DEMO_TEXT_MODEL
 
 
 def hub_cache_dir() -> Path:

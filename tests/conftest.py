@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from mmpretrain.config.base import DEMO_TEXT_MODEL
+
 ROOT = Path(__file__).resolve().parent.parent
-TEXT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+TEXT_MODEL = DEMO_TEXT_MODEL
 
 
 def pytest_configure(config):

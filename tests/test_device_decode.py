@@ -14,10 +14,10 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from mmpretrain.data.collate import collate
+from mmpretrain.data.batch import collate
 from mmpretrain.data.crop import ResizedCrop
 from mmpretrain.data.decode import SampleDecoder, augmentation_seed
-from mmpretrain.data.device_decode import KEYS, DeviceDecoder
+from mmpretrain.data.device_decode import DeviceDecoder
 from mmpretrain.data.jpeg import device_jpeg
 from mmpretrain.testing.photos import bad_huffman, make_jpegs
 
@@ -63,13 +63,13 @@ def test_the_header_check_sends_only_what_the_device_decodes():
     raws = _raws([(cap, jpg), (cap, _jpeg(img.convert("CMYK"))), (cap, png.getvalue())])
     raws[2]["png"] = raws[2].pop("jpg")
     batch = _batch(SampleDecoder(crop, embeddings="ignore", device_decode=True), raws)
-    assert batch["jpeg_slots"].tolist() == [0] and batch["image_slots"].tolist() == [1, 2]
+    assert batch.jpeg.slots.tolist() == [0] and batch.jpeg.image_slots.tolist() == [1, 2]
     # no placeholder pixels: only the worker-decoded images travel
-    assert batch["images"].shape == (2, 64, 64, 3) and batch["images"].ne(0).any()
+    assert batch.images.shape == (2, 64, 64, 3) and batch.images.ne(0).any()
     # a JPEG whose box the worker decodes at a DCT reduction stays with the worker
     big = _raws(make_jpegs(1, seed=3))
     batch = _batch(SampleDecoder(ResizedCrop(64, scale=(0.9, 1.0)), embeddings="ignore", device_decode=True), big)
-    assert "jpeg_slots" not in batch and batch["images"].shape == (1, 64, 64, 3)
+    assert batch.jpeg is None and batch.images.shape == (1, 64, 64, 3)
 
 
 def test_boxes_equal_and_pixels_within_tolerance_of_the_worker_path():
@@ -82,14 +82,14 @@ def test_boxes_equal_and_pixels_within_tolerance_of_the_worker_path():
     # the worker would decode at full size
     boxes = [crop.box(Image.open(io.BytesIO(r["jpg"])), augmentation_seed(0, 0, r["__key__"])) for r in raws]
     taken = [i for i, b in enumerate(boxes) if crop.jpeg_reduction(b) == 1]
-    assert 12 <= len(taken) < 24 and device["jpeg_slots"].tolist() == taken
-    assert [tuple(b) for b in device["jpeg_boxes"].tolist()] == [tuple(boxes[i]) for i in taken]
-    assert device["image_slots"].tolist() == [i for i in range(24) if i not in taken]
-    assert device["keys"] == worker["keys"] and device["texts"] == worker["texts"]
+    assert 12 <= len(taken) < 24 and device.jpeg.slots.tolist() == taken
+    assert [tuple(b) for b in device.jpeg.boxes.tolist()] == [tuple(boxes[i]) for i in taken]
+    assert device.jpeg.image_slots.tolist() == [i for i in range(24) if i not in taken]
+    assert device.keys == worker.keys and device.texts == worker.texts
     DeviceDecoder(crop, "cpu", batched=True)(device)  # the GPU's crop stage; no normalisation: pixel values
-    assert not any(k in device for k in KEYS) and device["images"].shape == (24, 3, 224, 224)
-    assert device["skipped"] == {"device_decoded": len(taken)}
-    diff = (device["images"] - worker["images"].permute(0, 3, 1, 2).float()).abs()
+    assert device.jpeg is None and device.images.shape == (24, 3, 224, 224)
+    assert device.skipped == {"device_decoded": len(taken)}
+    diff = (device.images - worker.images.permute(0, 3, 1, 2).float()).abs()
     assert diff[[i for i in range(24) if i not in taken]].max() == 0  # the workers' own, placed
     # torchvision's decoder + Pillow's bicubic weights in float matrix products (mmpretrain/data/resample.py)
     # against Pillow's libjpeg decode and fixed-point resize: measured mean 0.05, max 5 grey levels here
@@ -102,15 +102,15 @@ def test_boxes_equal_and_pixels_within_tolerance_of_the_worker_path():
     norm = DeviceNormalize((0.48, 0.46, 0.41), (0.27, 0.26, 0.28), channels_last=True)
     again = _batch(SampleDecoder(crop, embeddings="ignore", device_decode=True), raws)
     DeviceDecoder(crop, "cpu", normalize=norm, channels_last=True, batched=True)(again)
-    assert again["images"].is_contiguous(memory_format=torch.channels_last)
-    torch.testing.assert_close(again["images"], norm(device["images"].permute(0, 2, 3, 1).to(torch.uint8)),
+    assert again.images.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(again.images, norm(device.images.permute(0, 2, 3, 1).to(torch.uint8)),
                                rtol=0, atol=1e-6)
 
     # a CPU device crops image by image with torchvision's native kernel (the earlier kernel; the same
     # boxes): measured mean 0.16, max 11 grey levels from the worker's
     each = _batch(SampleDecoder(crop, embeddings="ignore", device_decode=True), raws)
     DeviceDecoder(crop, "cpu")(each)
-    diff = (each["images"] - worker["images"].permute(0, 3, 1, 2).float()).abs()[taken]
+    diff = (each.images - worker.images.permute(0, 3, 1, 2).float()).abs()[taken]
     assert diff.mean() < 0.5 and diff.max() <= 16, (diff.mean(), diff.max())
 
 
@@ -121,12 +121,12 @@ def test_a_bad_jpeg_is_a_counted_skip_and_a_refused_one_decodes_on_the_host(monk
     crop = ResizedCrop(64)
     dec = SampleDecoder(crop, embeddings="ignore", device_decode=True)
     batch = _batch(dec, raws)
-    assert batch["jpeg_slots"].tolist() == list(range(6))  # the header passes
+    assert batch.jpeg.slots.tolist() == list(range(6))  # the header passes
     DeviceDecoder(crop, "cpu", chunk=4)(batch)
-    assert batch["skipped"] == {"undecodable_image": 1, "repeated_in_batch": 1, "device_decoded": 5}
+    assert batch.skipped == {"undecodable_image": 1, "repeated_in_batch": 1, "device_decoded": 5}
     # the slot repeats the batch's first good sample, every field
-    assert batch["keys"][2] == batch["keys"][0] and torch.equal(batch["images"][2], batch["images"][0])
-    assert batch["sample_index"].tolist() == [0, 1, 0, 3, 4, 5]
+    assert batch.keys[2] == batch.keys[0] and torch.equal(batch.images[2], batch.images[0])
+    assert batch.sample_index.tolist() == [0, 1, 0, 3, 4, 5]
 
     # a device that refuses one image (and so every batch holding it): decoded by the worker's code
     import torchvision.io
@@ -146,11 +146,11 @@ def test_a_bad_jpeg_is_a_counted_skip_and_a_refused_one_decodes_on_the_host(monk
     calls = []
     monkeypatch.setattr(torchvision.io, "decode_jpeg", lambda data, **kw: calls.append(len(data)) or picky(data, **kw))
     DeviceDecoder(crop, "cpu")(batch)
-    assert batch["skipped"] == {"device_decode_fallback": 1, "device_decoded": 5}
+    assert batch.skipped == {"device_decode_fallback": 1, "device_decoded": 5}
     # the chunk is bisected to the culprit (6 -> 3 + 3 -> 1 + 2 -> ...), not decoded one by one
     assert calls == [6, 3, 3, 1, 2, 1, 1], calls
     worker = _batch(SampleDecoder(crop, embeddings="ignore"), raws)
-    assert torch.equal(batch["images"][4], worker["images"][4].permute(2, 0, 1).float())  # the worker path's own
+    assert torch.equal(batch.images[4], worker.images[4].permute(2, 0, 1).float())  # the worker path's own
 
 
 @pytest.fixture(scope="module")
@@ -233,16 +233,16 @@ def test_device_decoding_replays_the_teachers_stored_crops(openmoji_jpg, demo_ru
     names = sorted(block["shards"])
     offsets = np.cumsum([0] + [block["shards"][n]["count"] for n in names])
     # slot 0: the batch's anchor, decoded by the worker, as is a stored crop the worker would decode reduced
-    assert set(batch["jpeg_slots"].tolist()) <= set(range(1, 16)) and len(batch["jpeg_slots"]) >= 8
-    for slot, box in zip(batch["jpeg_slots"].tolist(), batch["jpeg_boxes"].tolist()):
-        idx = int(batch["sample_index"][slot])
+    assert set(batch.jpeg.slots.tolist()) <= set(range(1, 16)) and len(batch.jpeg.slots) >= 8
+    for slot, box in zip(batch.jpeg.slots.tolist(), batch.jpeg.boxes.tolist()):
+        idx = int(batch.sample_index[slot])
         k = int(np.searchsorted(offsets, idx, side="right") - 1)
         a = 1 + random.Random(f"0:0:{idx}:teacher-crop").randrange(2)
         assert box == np.load(data / (names[k] + CROPS))[idx - offsets[k], a].tolist()
         row = np.load(data / (names[k] + teacher_files(tid)[0]))[idx - offsets[k], a]
-        np.testing.assert_array_equal(batch["teacher_image_embeddings"][slot].numpy(), row.astype(np.float32))
+        np.testing.assert_array_equal(batch.teacher_image_embeddings[slot].numpy(), row.astype(np.float32))
     run.images.decoder(batch)
-    assert batch["images"].float().std() > 0  # decoded in place
+    assert batch.images.float().std() > 0  # decoded in place
 
 
 def test_a_shard_where_no_image_decodes_trains_on_the_device_path(tmp_path):

@@ -296,9 +296,9 @@ def test_stream_reads_every_kept_sample_once_an_epoch_and_no_other(teacher_data,
             it = iter(make_loader(TrainStream(plan, run.loader.dataset.decoder, rank), W))
             for _ in range(plan.steps_per_epoch):
                 b = next(it)
-                seen += b["keys"]
-                dropped += b["skipped"].get("dropped_remainder", 0)
-                assert [all_keys[i] for i in b["sample_index"].tolist()] == b["keys"]  # the shard's own index
+                seen += b.keys
+                dropped += b.skipped.get("dropped_remainder", 0)
+                assert [all_keys[i] for i in b.sample_index.tolist()] == b.keys  # the shard's own index
         assert len(seen) == len(set(seen)) and set(seen) <= want
         assert len(want) - len(seen) == dropped == plan.dropped_per_epoch < R * B
 

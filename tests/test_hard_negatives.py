@@ -163,7 +163,7 @@ def _raw(key, meta):
 def test_decoder_draws_a_negative_per_epoch_and_skips_malformed_lists():
     from mmpretrain.data.decode import SampleDecoder, SkipSample
 
-    dec = SampleDecoder(lambda im: torch.zeros(3, 4, 4), negatives=True)
+    dec = SampleDecoder(lambda im: torch.zeros(3, 4, 4), needs={"negatives"})
     negs = ["a blue square", "a red circle", "a green square"]
     drawn = {dec(_raw("k1", {"negative_captions": negs}), seed=0, epoch=e)["negative"] for e in range(12)}
     assert drawn <= set(negs) and len(drawn) > 1  # one of them each epoch, not always the same

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from mmpretrain.data import host_memory
-from mmpretrain.data.collate import collate
+from mmpretrain.data.batch import collate
 
 from conftest import SHORT, train
 
@@ -38,15 +38,15 @@ class _Items(IterableDataset):
         items = [{"image": torch.randint(0, 255, (3, 8, 8), dtype=torch.uint8, generator=g), "text": "a",
                   "key": str(i), "index": i, "emb": torch.randn(5, generator=g)} for i in range(4)]
         batch = collate(items)
-        yield {"shared": (batch["images"].is_shared(), batch["target_embeddings"].is_shared()),
-               "equal": torch.equal(batch["images"], torch.stack([it["image"] for it in items]))}
+        yield {"shared": (batch.images.is_shared(), batch.target_embeddings.is_shared()),
+               "equal": torch.equal(batch.images, torch.stack([it["image"] for it in items]))}
 
 
 def test_a_worker_stacks_the_batch_into_shared_memory():
     """In a worker the batch is stacked straight into shared memory (no private copy to move there)."""
     out = next(iter(DataLoader(_Items(), batch_size=None, num_workers=1)))
     assert out["shared"] == [True, True] and out["equal"]
-    assert not collate([{"image": torch.zeros(3, 2, 2), "text": "a", "key": "k", "index": 0}])["images"].is_shared()
+    assert not collate([{"image": torch.zeros(3, 2, 2), "text": "a", "key": "k", "index": 0}]).images.is_shared()
 
 
 def test_the_trainer_refuses_a_shm_too_small_before_training(openmoji, tmp_path, monkeypatch):

@@ -103,7 +103,7 @@ def test_no_host_sync_in_a_distill_step(teacher_data, tmp_path, monkeypatch):
 
 
 def _no_sync(data, tmp_path, name, overrides, monkeypatch):
-    from mmpretrain.train import loop, train_step
+    from mmpretrain.train import task, train_step
 
     run = setup_run(data, tmp_path / name, "train.steps=10", "data.batch_size=16", "data.num_workers=0", *overrides)
     batches = iter(run.loader)
@@ -111,13 +111,13 @@ def _no_sync(data, tmp_path, name, overrides, monkeypatch):
     run.state.step += 1
     batch = next(batches)
     syncs, copies = SyncCounter(), CopyCounter()
-    trim = loop.trim_padding
+    trim = task.trim_padding
 
     reads = PythonReads(monkeypatch)
 
     def on_the_host(tokens, *args):
         # the loader's own batch, before its copy to the device: its reads do not wait for a GPU
-        assert tokens is batch["tokens"]
+        assert tokens is batch.tokens
         syncs.paused = copies.paused = True
         reads.on = False
         try:
@@ -126,10 +126,10 @@ def _no_sync(data, tmp_path, name, overrides, monkeypatch):
             syncs.paused = copies.paused = False
             reads.on = True
 
-    monkeypatch.setattr(loop, "trim_padding", on_the_host)
+    monkeypatch.setattr(task, "trim_padding", on_the_host)
     if run.images.decoder is not None:  # decoded ahead on fit's background thread, not in the step
         run.images.decoder(batch)
-        assert batch["images"].dtype == torch.float32
+        assert batch.images.dtype == torch.float32
     reads.on = True
     with syncs, copies:
         train_step(run, batch)

@@ -51,9 +51,9 @@ def _epoch_keys(plan, decoder=None):
     keys, skipped = [], Counter()
     for rank in range(R):
         for b in _batches(plan, rank, plan.steps_per_epoch, decoder=decoder):
-            assert b["epoch"] == 0
-            keys += b["keys"]
-            skipped.update(b["skipped"])
+            assert b.epoch == 0
+            keys += b.keys
+            skipped.update(b.skipped)
     return keys, skipped
 
 
@@ -75,16 +75,16 @@ def test_one_epoch_is_every_sample_once_minus_the_stated_remainder(openmoji):
     assert skipped == {"dropped_remainder": len(everything) - len(keys)} and plan.dropped_per_epoch < R * B
     # the next epoch is a different order of the same samples
     nxt = [k for rank in range(R) for b in _batches(plan, rank, 2 * plan.steps_per_epoch)[plan.steps_per_epoch:]
-           for k in b["keys"]]
+           for k in b.keys]
     assert len(set(nxt)) == len(nxt) and nxt != keys
 
 
 def _same(a, b):
-    assert a["keys"] == b["keys"]
-    assert torch.equal(a["images"], b["images"])
-    assert torch.equal(a["target_embeddings"], b["target_embeddings"])
-    assert a["cursor"] == b["cursor"] and a["worker"] == b["worker"]
-    assert ("tokens" in a) == ("tokens" in b) and ("tokens" not in a or torch.equal(a["tokens"], b["tokens"]))
+    assert a.keys == b.keys
+    assert torch.equal(a.images, b.images)
+    assert torch.equal(a.target_embeddings, b.target_embeddings)
+    assert a.cursor == b.cursor and a.worker == b.worker
+    assert (a.tokens is None) == (b.tokens is None) and (a.tokens is None or torch.equal(a.tokens, b.tokens))
 
 
 def test_resume_at_five_positions_is_bit_identical(openmoji):
@@ -96,7 +96,7 @@ def test_resume_at_five_positions_is_bit_identical(openmoji):
 
     for rank in range(R):
         full = _batches(plan, rank, max(stops) + 3, tokenizer=tokenize)
-        assert full[0]["tokens"].shape == (B, 77)
+        assert full[0].tokens.shape == (B, 77)
         pos = StreamPosition(plan)
         for n, b in enumerate(full, 1):
             pos.advance(b)
@@ -128,11 +128,11 @@ def test_uneven_worker_shares_keep_epochs_whole_and_resume_exact(openmoji):
     keys, skipped = [], Counter()
     for rank in range(R):
         run = _batches(plan, rank, 2 * S + 2)
-        assert [b["epoch"] for b in run] == [0] * S + [1] * S + [2] * 2
-        assert [b["worker"] for b in run] == [n % W for n in range(2 * S + 2)]
+        assert [b.epoch for b in run] == [0] * S + [1] * S + [2] * 2
+        assert [b.worker for b in run] == [n % W for n in range(2 * S + 2)]
         for b in run[:S]:
-            keys += b["keys"]
-            skipped.update(b["skipped"])
+            keys += b.keys
+            skipped.update(b.skipped)
         pos = StreamPosition(plan)
         for n, b in enumerate(run, 1):
             pos.advance(b)
@@ -234,7 +234,7 @@ def test_resampled_mode_follows_source_weights(openmoji):
     assert abs(share - 0.75) < 0.02  # 10,000 draws: standard error 0.004
     # the stream runs on it, with the stated budget per epoch
     assert plan.steps_per_epoch == 300 // (R * B)
-    keys = [k for b_ in _batches(plan, 0, plan.steps_per_epoch + 1) for k in b_["keys"]]
+    keys = [k for b_ in _batches(plan, 0, plan.steps_per_epoch + 1) for k in b_.keys]
     assert len(keys) == (plan.steps_per_epoch + 1) * B
 
 
@@ -296,8 +296,8 @@ def test_uint8_batches_normalised_on_the_device_equal_the_float_ones(openmoji):
     floats = _batches(plan, 1, 3, decoder=SampleDecoder(full, embeddings="require", draft_size=32))
     small = _batches(plan, 1, 3, decoder=SampleDecoder(uint8, embeddings="require", draft_size=32))
     for f, u in zip(floats, small):
-        assert u["images"].dtype == torch.uint8 and f["images"].dtype == torch.float32
-        assert u["images"].nbytes * 4 == f["images"].nbytes
-        assert u["keys"] == f["keys"]
-        assert torch.equal(normalize(u["images"]), f["images"])
+        assert u.images.dtype == torch.uint8 and f.images.dtype == torch.float32
+        assert u.images.nbytes * 4 == f.images.nbytes
+        assert u.keys == f.keys
+        assert torch.equal(normalize(u.images), f.images)
     assert split_normalize(lambda im: im)[1] is None  # any other transform is kept whole

@@ -191,11 +191,11 @@ def test_the_stream_hands_over_the_drawn_captions_row(bed, tmp_path):
                         "train.steps=4", f"data.captions={mode}")
         extra = 0
         for batch, _ in zip(run.loader, range(4)):
-            for key, text in zip(batch["keys"], batch["texts"]):
+            for key, text in zip(batch.keys, batch.texts):
                 assert text in pools[key]
                 extra += text != pools[key][0]
-            want = encoder.encode(batch["texts"], normalize_embeddings=True, convert_to_numpy=True)
-            got = batch["target_embeddings"].numpy()
+            want = encoder.encode(batch.texts, normalize_embeddings=True, convert_to_numpy=True)
+            got = batch.target_embeddings.numpy()
             assert np.abs(got - want).max() < 2e-3
         assert (extra > 0) == (mode == "sample"), (mode, extra)
 

@@ -112,7 +112,7 @@ def test_the_training_stream_over_a_faulty_server_is_the_local_stream(openmoji, 
             a, b = _batches(local, rank, 6), _batches(far, rank, 6)
             for x, y in zip(a, b):
                 _same(x, y)
-                skipped.update(y["skipped"])
+                skipped.update(y.skipped)
             pos = StreamPosition(far)
             for batch in b[:3]:
                 pos.advance(batch)

@@ -80,7 +80,7 @@ def _epoch(folder: Path) -> Counter:
     it = iter(make_loader(TrainStream(plan, decoder, 0), 0))
     skipped: Counter = Counter()
     for _ in range(plan.steps_per_epoch):
-        skipped.update(next(it)["skipped"])
+        skipped.update(next(it).skipped)
     return skipped
 
 
@@ -169,8 +169,8 @@ def test_embed_remote_shards_by_pattern_into_a_local_folder(openmoji, tmp_path):
                             embedding_dim=384)
     it = iter(make_loader(TrainStream(plan, decoder, 0), 0))
     batches = [next(it) for _ in range(plan.steps_per_epoch)]
-    assert all("missing_embedding" not in b["skipped"] for b in batches)
-    assert sum(len(b["keys"]) for b in batches) == plan.steps_per_epoch * 10
+    assert all("missing_embedding" not in b.skipped for b in batches)
+    assert sum(len(b.keys) for b in batches) == plan.steps_per_epoch * 10
     fs.rm("/bucket", recursive=True)
 
 

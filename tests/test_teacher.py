@@ -137,7 +137,7 @@ def _batch_rows(data: Path, batch: dict, seed: int = 0, epoch: int = 0):
     sizes = [index["teachers"][tid]["shards"][s]["count"] for s in shards]
     offsets = np.cumsum([0] + sizes)
     rows = []
-    for idx in batch["sample_index"].tolist():
+    for idx in batch.sample_index.tolist():
         k = int(np.searchsorted(offsets, idx, side="right") - 1)
         pos = idx - offsets[k]
         a = 1 + random.Random(f"{seed}:{epoch}:{idx}:teacher-crop").randrange(K)
@@ -158,15 +158,15 @@ def test_stream_replays_the_stored_crop_it_hands_the_rows_of(teacher_data, tmp_p
     data = teacher_data["data"]
     run = setup_run(data, tmp_path / "run", "train.steps=2", *DISTILL)
     batch = next(iter(run.loader))
-    assert run.teacher_dims == [_index(data)[1]["teachers"][_index(data)[0]]["dim"]]
+    assert run.task.teacher_dims == [_index(data)[1]["teachers"][_index(data)[0]]["dim"]]
     expected = _batch_rows(data, batch)
-    got = batch["teacher_image_embeddings"].numpy()
+    got = batch.teacher_image_embeddings.numpy()
     for j, (shard, pos, a, image, crops) in enumerate(expected[:6]):
         np.testing.assert_array_equal(got[j], image.astype(np.float32))
         raw = list(read_tar(str(data / shard)))[pos]
         img = Image.open(io.BytesIO(raw["png"]))
         want = run.loader.dataset.decoder.transform.apply(img, Box(*map(int, crops[a])))
-        assert torch.equal(batch["images"][j], want)  # exactly the stored crop, not a fresh one
+        assert torch.equal(batch.images[j], want)  # exactly the stored crop, not a fresh one
 
 
 def test_distill_trains_and_resumes_bit_identically(teacher_data, tmp_path):
@@ -235,7 +235,7 @@ def test_the_teacher_row_is_the_drawn_captions_row():
     rows = TeacherRows(crops=np.array([[0, 0, 30, 40], [1, 2, 20, 30], [0, 0, 30, 40]], dtype=np.int32),
                        image=np.arange(3 * 4, dtype=np.float16).reshape(3, 4),
                        text=np.full(4, 7, dtype=np.float16), extra=np.array([[8] * 4, [9] * 4], dtype=np.float16))
-    dec = SampleDecoder(ResizedCrop(16), embeddings="ignore", teacher=True)
+    dec = SampleDecoder(ResizedCrop(16), embeddings="ignore", needs={"teacher"})
     seen = set()
     for epoch in range(12):
         raw = {"__key__": "k", "__index__": 5, "png": png.getvalue(), "txt": b"first caption",

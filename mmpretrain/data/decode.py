@@ -13,6 +13,7 @@ import json
 import math
 import random
 import warnings
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -151,24 +152,26 @@ class SampleDecoder:
     ``embeddings``: ``"require"`` (missing -> skip, counted), ``"optional"``, or ``"ignore"``.
     ``draft_size``: JPEGs are decoded at the smallest DCT scale still at least this large (Pillow's
     draft mode), which is most of the decoding cost saved for web images larger than the model input.
-    ``labels``: also return the label (``-1`` when unknown), for objectives that declare ``needs_labels``.
+    ``needs``: the objective's (:data:`~mmpretrain.losses.base.NEEDS`); with ``labels`` the item holds the
+    label (``-1`` when unknown), with ``negatives`` one of the sample's negative captions per epoch (None
+    when it has none), with ``teacher`` the teacher's stored crop is replayed and its rows returned.
     ``embedding_dim``: the dimension the dataset records; a stored embedding that does not load, is not a
     finite float vector of that length, is a ``bad_embedding`` skip (never a crash, never a NaN loss).
     ``max_pixels``: larger images are ``too_many_pixels`` skips before their pixels are decoded (the
     build's cap against decompression bombs)."""
 
-    def __init__(self, transform, embeddings: str = "optional", draft_size: int | None = None, labels: bool = False,
+    def __init__(self, transform, embeddings: str = "optional", draft_size: int | None = None,
                  embedding_dim: int | None = None, max_pixels: int | None = 64_000_000, captions: str = "sample",
-                 device_decode: bool = False, teacher: bool = False, negatives: bool = False):
+                 device_decode: bool = False, needs: Collection[str] = ()):
         self.transform = transform
         # objectives with hard_negatives: one of the sample's negative_captions per epoch (None: it has none)
-        self.negatives = negatives
+        self.negatives = "negatives" in needs
         # objectives that distill from stored teacher rows: the crop is the teacher's, replayed (teacher.py)
-        self.teacher = teacher
+        self.teacher = "teacher" in needs
         # data.decode=device: a JPEG the device decoder takes leaves as its bytes + crop box (device_decode.py)
         self.device_decode = device_decode and isinstance(transform, ResizedCrop)
         self.captions = captions  # "sample": one of caption 0 and the extra captions per epoch; "first": caption 0
-        self.labels = labels
+        self.labels = "labels" in needs
         self.embeddings = embeddings
         self.draft_size = draft_size
         self.embedding_dim = embedding_dim

@@ -34,42 +34,14 @@ import sys
 import threading
 import warnings
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from PIL import Image
 
+from mmpretrain.data.batch import Batch
 from mmpretrain.data.crop import Box, ResizedCrop
 from mmpretrain.data.jpeg import FILL, TruncatedJpeg, tail_box
 from mmpretrain.data.resample import crop_resize, pad
-
-#: the keys a batch carries for the device decoder (collate writes them, DeviceDecoder removes them)
-KEYS = ("jpeg_bytes", "jpeg_offsets", "jpeg_slots", "jpeg_boxes", "image_slots")
-
-
-def jpeg_fields(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """The batch's device-decoded samples (items holding ``jpeg`` bytes and a ``box``, and no ``image``):
-    their bytes concatenated into one uint8 tensor, the offsets (n + 1), slots in the batch and boxes
-    (top, left, height, width) in original pixels, and ``image_slots``: the slots of the worker-decoded
-    images, in the order of the batch's ``images``. Empty when every image was decoded by the worker."""
-    slots = [i for i, it in enumerate(items) if "jpeg" in it]
-    if not slots:
-        return {}
-    blobs = [items[i]["jpeg"] for i in slots]
-    offsets = [0]
-    for b in blobs:
-        offsets.append(offsets[-1] + len(b))
-    return {"jpeg_bytes": torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8),
-            "jpeg_offsets": torch.tensor(offsets, dtype=torch.long),
-            "jpeg_slots": torch.tensor(slots, dtype=torch.long),
-            "jpeg_boxes": torch.tensor([list(items[i]["box"]) for i in slots], dtype=torch.long),
-            "image_slots": torch.tensor([i for i, it in enumerate(items) if "image" in it], dtype=torch.long)}
-
-
-# the per-sample fields a slot copies from another when its image cannot be decoded at all
-_ROW_FIELDS = ("tokens", "target_embeddings", "labels", "sample_index", "teacher_image_embeddings",
-               "teacher_text_embeddings")
-_LIST_FIELDS = ("texts", "keys")
 
 
 class DeviceDecodeError(RuntimeError):
@@ -118,26 +90,26 @@ class DeviceDecoder:
         self.batches = 0
         self.errors: list[str] = []  # what the device decoder raised, for DeviceDecodeError
 
-    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+    def __call__(self, batch: Batch) -> Batch:
         first = self.batches == 0
         self.batches += 1
-        B = len(batch["keys"])
+        B = len(batch)
         out = torch.empty((B, 3, *self.crop.size), dtype=torch.float32, device=self.device,
                           memory_format=torch.channels_last if self.channels_last else torch.contiguous_format)
-        image_slots = batch.pop("image_slots", None)
-        if "jpeg_bytes" not in batch:  # every image decoded by the workers
-            self._place(out, batch["images"], None)
-            batch["images"] = out
+        jpeg, batch.jpeg = batch.jpeg, None
+        if jpeg is None:  # every image decoded by the workers
+            self._place(out, batch.images, None)
+            batch.images = out
             return batch
-        data, offsets = batch.pop("jpeg_bytes"), batch.pop("jpeg_offsets").tolist()  # host tensors: no sync
-        slots, boxes = batch.pop("jpeg_slots").tolist(), batch.pop("jpeg_boxes")
+        data, offsets = jpeg.data, jpeg.offsets.tolist()  # host tensors: no sync
+        slots, boxes = jpeg.slots.tolist(), jpeg.boxes
         box_list = boxes.tolist()
-        if "images" in batch and len(batch["images"]):
-            self._place(out, batch["images"], image_slots)
+        if batch.images is not None and len(batch.images):
+            self._place(out, batch.images, jpeg.image_slots)
         if first and self.device.type == "cuda":
             print(f"note: data.decode=device: nvJPEG backend on {self.device}: {nvjpeg_backend(self.device)}; "
                   f"{len(slots)} of the first batch's {B} images are JPEGs the device takes", file=sys.stderr)
-        skipped = batch.setdefault("skipped", {})
+        skipped = batch.skipped
         bad: dict[int, str] = {}  # slot -> why it has no image
         hosted: list[tuple[int, torch.Tensor]] = []  # (slot, (H, W, 3) uint8) decoded on the host
         greys = []  # per chunk: (the chunk's slots, whether each image's last block is libjpeg's fill)
@@ -183,7 +155,7 @@ class DeviceDecoder:
                     "built with nvJPEG for this CUDA)")
         if decoded:
             skipped["device_decoded"] = skipped.get("device_decoded", 0) + decoded
-        batch["images"] = out
+        batch.images = out
         if bad:
             _fill(batch, bad, skipped)
         return batch
@@ -275,21 +247,15 @@ def _grey_tail(padded: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     return (tail == FILL).flatten(1).all(1)
 
 
-def _fill(batch: dict[str, Any], bad: dict[int, str], skipped: dict) -> None:
+def _fill(batch: Batch, bad: dict[int, str], skipped: dict) -> None:
     """Each slot in ``bad`` (no usable image; the value: why) repeats the batch's first good sample, every
     field. The first image of a batch is decoded by the loader worker (``SampleDecoder``'s ``anchor``), so
     a batch always has one."""
-    good = next((i for i in range(batch["images"].shape[0]) if i not in bad), None)
+    good = next((i for i in range(batch.images.shape[0]) if i not in bad), None)
     if good is None:  # cannot happen with the stream's batches (their anchor); a hand-made batch
         raise ValueError("data.decode=device: no image of the batch could be decoded on the device or the host")
     for i, why in bad.items():
-        batch["images"][i] = batch["images"][good]
-        for k in _ROW_FIELDS:
-            if isinstance(batch.get(k), torch.Tensor):
-                batch[k][i] = batch[k][good]
-        for k in _LIST_FIELDS:
-            if k in batch:
-                batch[k][i] = batch[k][good]
+        batch.copy_row(i, good)
         skipped[why] = skipped.get(why, 0) + 1
     skipped["repeated_in_batch"] = skipped.get("repeated_in_batch", 0) + len(bad)
 
@@ -352,7 +318,7 @@ class Prefetcher:
     def __iter__(self):
         return self
 
-    def __next__(self) -> dict[str, Any]:
+    def __next__(self) -> Batch:
         item = self.queue.get()
         if item is _DONE:
             self.queue.put(_DONE)
@@ -364,7 +330,7 @@ class Prefetcher:
         if event is not None:
             main = torch.cuda.current_stream(self.decoder.device)
             main.wait_event(event)
-            batch["images"].record_stream(main)  # made on the decoding stream, used on this one
+            batch.images.record_stream(main)  # made on the decoding stream, used on this one
         return batch
 
     def close(self) -> None:

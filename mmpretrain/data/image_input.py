@@ -11,11 +11,11 @@ __call__`, whichever way the batch came.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
-from mmpretrain.data.device_decode import KEYS, DeviceDecoder, Prefetcher
+from mmpretrain.data.batch import Batch
+from mmpretrain.data.device_decode import DeviceDecoder, Prefetcher
 
 
 class ImageInput:
@@ -33,18 +33,18 @@ class ImageInput:
         """Whether the workers hand JPEGs over undecoded (the loader's SampleDecoder reads this)."""
         return self.decoder is not None
 
-    def batches(self, loader) -> Iterator[dict[str, Any]]:
+    def batches(self, loader) -> Iterator[Batch]:
         """The loader's batches as the step takes them: with the device decoder, decoded one batch ahead
         on a background thread (:class:`~mmpretrain.data.device_decode.Prefetcher`)."""
         return Prefetcher(loader, self.decoder) if self.decoder is not None else iter(loader)
 
-    def __call__(self, batch: dict[str, Any], device: torch.device) -> torch.Tensor:
+    def __call__(self, batch: Batch, device: torch.device) -> torch.Tensor:
         """The model's input for ``batch``: on ``device``, normalised, in the run's layout and dtype. A batch
         not decoded ahead (a direct ``train_step`` call) is decoded here."""
-        if self.decoder is not None and (any(k in batch for k in KEYS) or batch.get("images") is None
-                                         or batch["images"].dtype == torch.uint8):
+        if self.decoder is not None and (batch.jpeg is not None or batch.images is None
+                                         or batch.images.dtype == torch.uint8):
             self.decoder(batch)
-        images = batch["images"].to(device, non_blocking=True)
+        images = batch.images.to(device, non_blocking=True)
         if self.normalize is not None:  # uint8 from the loader (a quarter of the bytes); float passes as is
             images = self.normalize(images)
         if self.channels_last:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mmpretrain.data.batch import Batch
 from mmpretrain.data.plan import StreamPlan
 
 
@@ -18,9 +19,9 @@ class StreamPosition:
         if state is not None:
             self.load(state)
 
-    def advance(self, batch: dict[str, Any]) -> None:
+    def advance(self, batch: Batch) -> None:
         self.batches += 1
-        self.cursors[batch["worker"]] = list(batch["cursor"])
+        self.cursors[batch.worker] = list(batch.cursor)
 
     def state(self) -> dict[str, Any]:
         return {"plan": self.plan.identity(), "batches": self.batches,

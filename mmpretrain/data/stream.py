@@ -54,8 +54,8 @@ Kept out of ``accelerator.prepare()``: the split by rank happens here, Accelerat
 The parts, one idea each: :mod:`~mmpretrain.data.plan` (which segments each reader reads; no I/O),
 :mod:`~mmpretrain.data.segments` (raw samples at positions of those segments, through
 :mod:`~mmpretrain.data.tar`), :mod:`~mmpretrain.data.decode` (raw sample -> item),
-:mod:`~mmpretrain.data.reader` (one reader's epoch: range, spares, fill), :mod:`~mmpretrain.data.collate`
-(items -> batch), :mod:`~mmpretrain.data.position` (the resumable position) and
+:mod:`~mmpretrain.data.reader` (one reader's epoch: range, spares, fill), :mod:`~mmpretrain.data.batch`
+(items -> the typed batch), :mod:`~mmpretrain.data.position` (the resumable position) and
 :mod:`~mmpretrain.data.loader` (the DataLoader); this module is the rank's endless stream of batches.
 """
 
@@ -67,7 +67,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from mmpretrain.data.collate import collate
+from mmpretrain.data.batch import Batch, collate
 from mmpretrain.data.decode import SampleDecoder
 from mmpretrain.data.loader import make_loader
 from mmpretrain.data.plan import StreamPlan
@@ -79,8 +79,8 @@ __all__ = ["Reader", "StreamError", "StreamPosition", "TrainStream", "collate", 
 
 
 class TrainStream(IterableDataset):
-    """Endless batches of one rank (:func:`collate`'s keys, plus ``skipped`` counts, ``epoch`` -- the
-    0-based stream epoch the batch belongs to --, ``worker`` and the reader's ``cursor`` after it).
+    """Endless :class:`~mmpretrain.data.batch.Batch` records of one rank, with the ``skipped`` counts, the
+    ``epoch`` (0-based) each belongs to, its ``worker`` and the reader's ``cursor`` after it.
     ``start``: :class:`StreamPosition` state to resume from."""
 
     def __init__(self, plan: StreamPlan, decoder: SampleDecoder, rank: int, tokenizer=None,
@@ -93,7 +93,7 @@ class TrainStream(IterableDataset):
             self.cursors = {int(w): list(c) for w, c in start["cursors"].items()}
             self.first_worker = start["batches"] % plan.workers
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         physical, n = (info.id, info.num_workers) if info else (0, 1)
         if n != self.plan.workers:
@@ -121,7 +121,7 @@ class TrainStream(IterableDataset):
                 items.append(item)
                 if len(items) == B:
                     batch = collate(items, self.tokenizer)
-                    batch.update(skipped=dict(skipped), epoch=epoch, worker=worker, cursor=list(after))
+                    batch.skipped, batch.epoch, batch.worker, batch.cursor = dict(skipped), epoch, worker, list(after)
                     yield batch
                     items = []
                     skipped.clear()  # in place: the reader holds this counter

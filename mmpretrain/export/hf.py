@@ -177,6 +177,10 @@ def save_transformers(clip, model_cfg: dict, preprocess_cfg: dict, out: Path, to
     if towers == "both":
         from transformers import CLIPProcessor, CLIPTokenizer
 
-        write_clip_tokenizer(out, model_cfg["text_cfg"].get("context_length", 77))
+        from mmpretrain.models.factory import (
+            CONTEXT_LENGTH,  # open_clip: not imported for the export's --help
+        )
+
+        write_clip_tokenizer(out, model_cfg["text_cfg"].get("context_length", CONTEXT_LENGTH))
         CLIPProcessor(image_processor=image_processor, tokenizer=CLIPTokenizer.from_pretrained(str(out))
                       ).save_pretrained(str(out))

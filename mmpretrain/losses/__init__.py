@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from mmpretrain.losses.align_uniform import AlignUniformLoss
-from mmpretrain.losses.base import Objective
+from mmpretrain.losses.base import NEEDS, Objective, class_needs, is_term, total_of
 from mmpretrain.losses.clip import ClipLoss
 from mmpretrain.losses.cwcl import CwclLoss
 from mmpretrain.losses.distill import DistillLoss
@@ -51,22 +51,20 @@ class WeightedObjective(nn.Module):
         self.weights = [float(w) for _, w, _ in terms]
         self.terms = nn.ModuleList([m for _, _, m in terms])
 
-    needs_targets = _any_term("needs_targets")
-    needs_labels = _any_term("needs_labels")
-    needs_negatives = _any_term("needs_negatives")
-    needs_image_encodings = _any_term("needs_image_encodings")
+    @property
+    def needs(self) -> frozenset[str]:
+        """What any of its terms needs (:data:`~mmpretrain.losses.base.NEEDS`)."""
+        return frozenset().union(*(t.needs for t in self.terms))
 
     @property
-    def image_encodings_from(self) -> str | None:
+    def encodings(self) -> str | None:
         """Where the terms that need image encodings take them: ``online`` (the model's forward) or
         ``ema`` (the weight average's image tower, computed by the trainer); None when none does."""
-        found = {t.encodings for t in self.terms if getattr(t, "needs_image_encodings", False)}
+        found = {t.encodings for t in self.terms if "image_encodings" in t.needs}
         if len(found) > 1:
             raise ValueError("loss terms take image encodings from both the online weights and the ema")
         return next(iter(found), None)
-    needs_teacher = _any_term("needs_teacher")
-    needs_sample_index = _any_term("needs_sample_index")
-    needs_index_size = _any_term("needs_index_size")
+
     whole_batch = _any_term("whole_batch")
     uses_logit_scale = _any_term("uses_logit_scale", default=True)
     uses_logit_bias = _any_term("uses_logit_bias")
@@ -97,7 +95,7 @@ class WeightedObjective(nn.Module):
         out: dict[str, torch.Tensor] = {}
         for weight, term in zip(self.weights, self.terms):
             for key, value in term(**inputs).items():
-                if key.endswith("_loss"):
+                if key.endswith("_loss"):  # base.total_of sums these
                     out[key] = weight * value
                     out[key[: -len("_loss")] + "_unweighted"] = value.detach()
                 else:
@@ -108,8 +106,8 @@ class WeightedObjective(nn.Module):
 def build_objective(terms: Sequence[dict], rank: int = 0, world_size: int = 1,
                     dataset_size: int | None = None, index_size: int | None = None) -> WeightedObjective:
     """``terms``: ``[{"name": "clip", "weight": 1.0, "options": {...}}, ...]`` (the config's ``loss``).
-    ``dataset_size`` / ``index_size`` reach the objectives that declare ``needs_dataset_size`` /
-    ``needs_index_size`` unless their options set them."""
+    ``dataset_size`` / ``index_size`` reach the objectives that need them (``needs``) unless their options
+    set them."""
     built = []
     seen = set()
     for i, t in enumerate(terms):
@@ -121,9 +119,9 @@ def build_objective(terms: Sequence[dict], rank: int = 0, world_size: int = 1,
         seen.add(name)
         cls = LOSSES[name]
         options = dict(t.get("options", {}))
-        if getattr(cls, "needs_dataset_size", False) and dataset_size is not None:
+        if "dataset_size" in class_needs(cls) and dataset_size is not None:
             options.setdefault("dataset_size", dataset_size)
-        if getattr(cls, "needs_index_size", False) and index_size is not None:
+        if "index_size" in class_needs(cls) and index_size is not None:
             if options.setdefault("index_size", index_size) < index_size:
                 raise ValueError(f"loss {name}: options.index_size={options['index_size']} is smaller than the "
                                  f"training data's {index_size} samples; leave it unset (the trainer sets it)")
@@ -138,13 +136,14 @@ def build_objective(terms: Sequence[dict], rank: int = 0, world_size: int = 1,
 
 def validate_objective(terms: Sequence[dict]) -> WeightedObjective:
     """:func:`build_objective` on one process before the data is known (the config's check when it
-    loads): an objective that declares ``needs_index_size`` gets a stand-in table length unless its
+    loads): an objective that needs ``index_size`` gets a stand-in table length unless its
     options set one; setup builds the real one with the data's sizes."""
     stand_in = [dict(t, options={"index_size": 2, **t.get("options", {})})
-                if getattr(LOSSES.get(t["name"]), "needs_index_size", False) else t for t in terms]
+                if "index_size" in class_needs(LOSSES.get(t["name"])) else t for t in terms]
     return build_objective(stand_in)
 
 
-__all__ = ["LOSSES", "AlignUniformLoss", "ClipLoss", "CwclLoss", "DistillLoss", "GlobalClipLoss", "Objective", "RegionLoss",
+__all__ = ["LOSSES", "NEEDS", "AlignUniformLoss", "ClipLoss", "CwclLoss", "DistillLoss", "GlobalClipLoss", "Objective", "RegionLoss",
            "ResaLoss", "SigmoidLoss",
-           "SoftTargetLoss", "VrnLoss", "WeightedObjective", "build_objective", "validate_objective"]
+           "SoftTargetLoss", "VrnLoss", "WeightedObjective", "build_objective", "is_term", "total_of",
+           "validate_objective"]

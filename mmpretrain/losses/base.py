@@ -1,27 +1,12 @@
 """What every objective declares, so that the trainer needs no edit for a new one.
 
-An objective is an ``nn.Module`` subclassing :class:`Objective`. Its class (or instance) says what
-its forward reads beyond the features, and the trainer provides exactly that:
+An objective is an ``nn.Module`` subclassing :class:`Objective`. Its class (or instance) says in one
+place, :attr:`Objective.needs` (a set of names from :data:`NEEDS`), what its forward reads beyond the
+features, and the training task (:mod:`mmpretrain.train.task`) provides exactly that: a need that is a
+batch field (:mod:`mmpretrain.data.batch` declares which field serves which need) reaches the forward
+as a keyword of the field's name; the others are provided by the model or the constructor, as
+:data:`NEEDS` says. ``encodings`` says where ``image_encodings`` come from. Besides the needs:
 
-- ``needs_targets``: ``target_embeddings (B, E)``, the frozen caption embeddings (stored with the
-  shards, or computed online by ``targets.model``);
-- ``needs_teacher``: ``teacher_image_embeddings (B, E)`` and ``teacher_text_embeddings (B, E)``, a stored
-  teacher's embeddings of the crop the sample trains on and of the caption it trains with (``data_tools
-  embed --image-model``; an ensemble's members side by side) and ``teacher_dims``, each member's width;
-  the stream then replays the teacher's stored crops instead of drawing new ones;
-- ``needs_image_encodings``: ``image_encodings (B, P)``, the image tower's pooled output before its
-  projection (detached), from the model's forward, or with ``encodings = "ema"`` from the ``train.ema``
-  average's image tower (``resa``'s self-assigned targets);
-- ``needs_labels``: ``labels (B,)``, class indices from the shards (``-1`` unknown);
-- ``needs_negatives``: ``negative_text_features (B, D)``, the text tower's features of one hard-negative
-  caption per sample (``negative_captions`` in its json, drawn per epoch), and ``negative_mask (B,)``,
-  which samples have one (an option of ``clip`` and ``sigmoid``: ``hard_negatives``);
-- ``needs_sample_index``: ``sample_index (B,)``, each sample's global index in the dataset (stable
-  under resume, rank count and resampling; a resampled batch can hold one index twice);
-- ``needs_dataset_size``: the constructor is given ``dataset_size`` (samples per epoch) unless its
-  options set it;
-- ``needs_index_size``: the constructor is given ``index_size``, the number of distinct sample indices
-  (the training data's sample count over every source, from ``sizes.json``), for per-sample tables;
 - ``whole_batch``: it must see the whole batch in one call, so plain micro-batch accumulation is refused
   (gradient caching is fine);
 - ``uses_logit_scale`` / ``uses_logit_bias``: whether its loss depends on the model's scale / bias. The
@@ -45,6 +30,34 @@ import math
 import torch
 from torch import nn
 
+from mmpretrain.data.batch import batch_needs
+
+#: Every need an objective can declare (:attr:`Objective.needs`) and what the trainer then provides: the
+#: needs batch fields serve, declared with those fields (:mod:`mmpretrain.data.batch`), and these, which the
+#: model or the constructor provides.
+NEEDS: dict[str, str] = {
+    "targets": "target_embeddings (B, E): the frozen caption embeddings, stored with the shards or computed "
+               "online by targets.model",
+    "image_encodings": "image_encodings (B, P): the image tower's pooled output before its projection "
+                       "(detached), from the model's forward, or with encodings = 'ema' from the train.ema "
+                       "average's image tower",
+    "dataset_size": "the constructor is given dataset_size (samples per epoch) unless its options set it",
+    "index_size": "the constructor is given index_size, the number of distinct sample indices (the training "
+                  "data's samples over every source, from sizes.json), for per-sample tables",
+    **batch_needs(),
+}
+
+
+def is_term(key: str) -> bool:
+    """Whether an objective's output key is a loss term (weighted ``*_loss``, logged ``*_unweighted``),
+    not a diagnostic: the one rule the trainer's zeroing, non-finite report and logs apply."""
+    return key.endswith(("_loss", "_unweighted"))
+
+
+def total_of(out: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The objective's value: the sum of its ``*_loss`` outputs (already weighted)."""
+    return sum(v for k, v in out.items() if k.endswith("_loss"))
+
 
 class Objective(nn.Module):
     """Subclasses call ``super().__init__(rank=..., world_size=..., chunk_size=...)``: the options every
@@ -55,17 +68,15 @@ class Objective(nn.Module):
     tiled: bool = False
     init_logit_scale: float = math.log(1 / 0.07)
     init_logit_bias: float | None = None
-    needs_targets: bool = False
-    needs_labels: bool = False
-    needs_negatives: bool = False
-    needs_image_encodings: bool = False
-    needs_teacher: bool = False
-    needs_sample_index: bool = False
-    needs_dataset_size: bool = False
-    needs_index_size: bool = False
+    needs: frozenset[str] = frozenset()  # names from NEEDS; an instance may set its own
+    encodings: str | None = None  # with "image_encodings": "online" (the model's forward) or "ema"
     whole_batch: bool = False
     uses_logit_scale: bool = True
     uses_logit_bias: bool = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        check_needs(cls.needs, cls.name)
 
     def __init__(self, *, rank: int = 0, world_size: int = 1, chunk_size: int | None = None):
         super().__init__()
@@ -96,3 +107,19 @@ class Objective(nn.Module):
 
     def discard_step(self) -> None:
         """Drop the state update the last forward proposed (the step was skipped)."""
+
+
+def check_needs(needs, name: str) -> frozenset[str]:
+    """``needs`` as a frozenset, every name one of :data:`NEEDS` (a misspelt need fails where it is declared)."""
+    if isinstance(needs, property):  # computed per instance (a wrapper's needs are its terms')
+        return needs
+    unknown = sorted(set(needs) - NEEDS.keys())
+    if unknown:
+        raise TypeError(f"{name}: unknown need(s) {unknown}; declare names from losses.base.NEEDS: {sorted(NEEDS)}")
+    return frozenset(needs)
+
+
+def class_needs(cls) -> frozenset[str]:
+    """What a class declares before it is built (a wrapper's needs, known once built, count as none here)."""
+    needs = getattr(cls, "needs", frozenset())
+    return frozenset() if isinstance(needs, property) else needs

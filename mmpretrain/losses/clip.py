@@ -57,7 +57,7 @@ class ClipLoss(Objective):
         super().__init__(rank=rank, world_size=world_size, chunk_size=chunk_size)
         if not isinstance(hard_negatives, bool):
             raise ValueError(f"hard_negatives must be true or false, not {hard_negatives!r}")
-        self.needs_negatives = hard_negatives
+        self.needs = frozenset({"negatives"} if hard_negatives else ())
         if local_loss and not gather_with_grad:
             raise ValueError(
                 "local_loss=true needs gather_with_grad=true: without it the gradient of other ranks' "
@@ -68,7 +68,7 @@ class ClipLoss(Objective):
 
     def largest_matrix(self, batch: int) -> int:
         gathered = batch * self.world_size
-        cols = 2 * gathered if self.needs_negatives else gathered  # the captions, then the negatives
+        cols = 2 * gathered if "negatives" in self.needs else gathered  # the captions, then the negatives
         return self.tiles(batch if self.local_loss else gathered, cols)
 
     def forward(
@@ -86,7 +86,7 @@ class ClipLoss(Objective):
         """``image_features (B, D)``, ``text_features (B, D)`` local to this rank, normalised; with
         ``hard_negatives``, ``negative_text_features (B, D)`` and ``negative_mask (B,)`` too."""
         b = image_features.shape[0]
-        negatives = self.needs_negatives
+        negatives = "negatives" in self.needs
         if negatives and (negative_text_features is None or negative_mask is None):
             raise ValueError("clip with hard_negatives needs negative_text_features and negative_mask")
         if not self.gather_with_grad and self.world_size > 1:

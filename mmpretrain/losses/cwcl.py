@@ -21,7 +21,7 @@ from mmpretrain.losses.distributed import gather_no_grad, gather_with_grad
 class CwclLoss(Objective):
 
     name = "cwcl"
-    needs_targets = True
+    needs = frozenset({"targets"})
 
     def __init__(self, *, rank: int = 0, world_size: int = 1, chunk_size: int | None = None):
         super().__init__(rank=rank, world_size=world_size, chunk_size=chunk_size)

@@ -43,7 +43,7 @@ class DistillLoss(Objective):
 
     name = "distill"
     tiled = True
-    needs_teacher = True
+    needs = frozenset({"teacher"})
 
     def __init__(self, *, teacher_scale: float = 100.0, rank: int = 0, world_size: int = 1,
                  chunk_size: int | None = None):

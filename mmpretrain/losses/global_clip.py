@@ -74,8 +74,7 @@ class GlobalClipLoss(Objective):
 
     name = "global_clip"
 
-    needs_sample_index = True
-    needs_index_size = True
+    needs = frozenset({"sample_index", "index_size"})
     whole_batch = True  # the estimates are per whole-batch row: micro-batch accumulation is refused
 
     def __init__(self, *, index_size: int | None = None, gamma: float = 0.8, gamma_schedule: str = "cosine",

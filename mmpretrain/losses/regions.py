@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mmpretrain.losses.base import Objective
+from mmpretrain.losses.base import Objective, total_of
 from mmpretrain.losses.clusters import kmeans, match, nearest
 from mmpretrain.losses.distributed import gather_no_grad, gather_with_grad
 from mmpretrain.losses.region_math import hedge_update, masked_clip_regions, one_hot, purity, tile_rows
@@ -75,10 +75,6 @@ from mmpretrain.losses.registry import OBJECTIVES
 # took 6.8 ms against 9.9 ms at N = 128, 13.2 against 12.6 at 256, 44 against 24 at 512 and 166
 # against 53 at 1,024, so on a CPU it is used up to this gathered batch size.
 MASKED_CPU_MAX = 256
-def _sum_losses(out: dict[str, torch.Tensor]) -> torch.Tensor:
-    return sum(v for k, v in out.items() if k.endswith("_loss"))
-
-
 class RegionLoss(Objective):
     """``LOSSES["regions"]``: see the module docstring. Options:
 
@@ -95,16 +91,12 @@ class RegionLoss(Objective):
 
     name = "regions"
 
-    needs_labels = True  # the purity diagnostic
     whole_batch = True  # regions and Hedge weights are of the whole (gathered) batch
 
     @property
-    def needs_targets(self) -> bool:
-        return self.space == "target" or self.global_term.needs_targets
-
-    @property
-    def needs_sample_index(self) -> bool:
-        return self.global_term.needs_sample_index
+    def needs(self) -> frozenset[str]:
+        """The global term's, labels (the purity diagnostic) and the targets when it clusters in their space."""
+        return self.global_term.needs | {"labels"} | ({"targets"} if self.space == "target" else set())
 
     @property
     def uses_logit_scale(self) -> bool:
@@ -289,7 +281,7 @@ class RegionLoss(Objective):
         epoch = 1 if epoch is None else max(1, int(epoch))
         self.steps_seen += 1
         base_in = dict(logit_scale=logit_scale, logit_bias=logit_bias)
-        global_loss = _sum_losses(self.global_term(image_features=image_features, text_features=text_features,
+        global_loss = total_of(self.global_term(image_features=image_features, text_features=text_features,
                                                    target_embeddings=target_embeddings, **base_in, **extra))
         out: dict[str, torch.Tensor] = {"regions/global": global_loss.detach()}
         if self.space == "target" and target_embeddings is None:
@@ -375,7 +367,7 @@ class RegionLoss(Objective):
         x, y = all_x[idx], all_y[idx]
         t = None if all_t is None else all_t[idx]
         if not self.queue_size or int(self.queue_count) == 0:
-            return _sum_losses(self.local_term(image_features=x, text_features=y, target_embeddings=t, **base_in))
+            return total_of(self.local_term(image_features=x, text_features=y, target_embeddings=t, **base_in))
         n = int(self.queue_count)
         in_r = nearest(self.queue_key[:n], self.centroids(j).to(self.queue_key)) == r
         qx, qy = self.queue_image[:n][in_r].to(x), self.queue_text[:n][in_r].to(y)

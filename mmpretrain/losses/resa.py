@@ -74,7 +74,7 @@ class ResaLoss(Objective):
 
     name = "resa"
     tiled = True
-    needs_image_encodings = True
+    needs = frozenset({"image_encodings"})
 
     def __init__(self, *, eps: float = 0.05, iterations: int = 3, temperature: float | None = None,
                  encodings: Literal["online", "ema"] = "online", rank: int = 0, world_size: int = 1,

@@ -41,7 +41,7 @@ class SigmoidLoss(Objective):
         if not isinstance(hard_negatives, bool):
             raise ValueError(f"hard_negatives must be true or false, not {hard_negatives!r}")
         self.within_view_negatives = within_view_negatives
-        self.needs_negatives = hard_negatives
+        self.needs = frozenset({"negatives"} if hard_negatives else ())
 
     def largest_matrix(self, batch: int) -> int:
         return self.tiles(batch, batch * self.world_size)  # this rank's rows against every rank's columns
@@ -78,7 +78,7 @@ class SigmoidLoss(Objective):
             for own, every in ((x, all_x), (y, all_y)):
                 diag = F.softplus(logit_scale * (own * own).sum(1) + logit_bias).sum()
                 loss = loss + self._sum(own, every, logit_scale, logit_bias) - diag
-        if self.needs_negatives:
+        if "negatives" in self.needs:
             if negative_text_features is None or negative_mask is None:
                 raise ValueError("sigmoid with hard_negatives needs negative_text_features and negative_mask")
             mask = gather_no_grad(negative_mask.to(device=x.device, dtype=torch.float32), self.world_size)

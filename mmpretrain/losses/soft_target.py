@@ -45,7 +45,7 @@ class SoftTargetLoss(Objective):
 
     name = "soft_target"
     tiled = True
-    needs_targets = True
+    needs = frozenset({"targets"})
 
     def __init__(
         self,

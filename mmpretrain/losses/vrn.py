@@ -21,7 +21,7 @@ class VrnLoss(Objective):
 
     name = "vrn"
     uses_logit_scale = False
-    needs_dataset_size = True
+    needs = frozenset({"dataset_size"})
 
     def __init__(self, *, delta: float | None = None, dataset_size: int | None = None, rank: int = 0,
                  world_size: int = 1, chunk_size: int | None = None):

@@ -31,6 +31,8 @@ from mmpretrain.hub_cache import quiet_load
 from mmpretrain.run_files import MODEL_WEIGHTS, RunFolder, checkpoint_clip_weights
 
 PACKAGED_CONFIGS = Path(__file__).resolve().parent.parent / "model_configs"
+#: open_clip's text context when a text_cfg names none (CLIP's 77 tokens)
+CONTEXT_LENGTH = 77
 _registered = False
 
 
@@ -164,7 +166,7 @@ def fit_logits(state_dict: dict[str, torch.Tensor], module: nn.Module) -> dict[s
 
 def make_tokenizer(model_cfg: dict):
     text_cfg = model_cfg.get("text_cfg", {})
-    ctx = text_cfg.get("context_length", 77)
+    ctx = text_cfg.get("context_length", CONTEXT_LENGTH)
     if text_cfg.get("hf_tokenizer_name"):
         return open_clip.tokenizer.HFTokenizer(text_cfg["hf_tokenizer_name"], context_length=ctx)
     return open_clip.tokenizer.SimpleTokenizer(context_length=ctx)

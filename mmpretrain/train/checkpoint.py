@@ -340,9 +340,5 @@ def restore_state(acc: Accelerator, objective: WeightedObjective, state: TrainSt
     acc.load_state(str(ckpt))
     if objective.state_dict():
         load_objective_state(objective, ckpt)
-    state.step, state.samples = saved["step"], saved["samples"]
-    state.nonfinite_steps = saved.get("nonfinite_steps", 0)
-    state.exact = bool(saved.get("exact_resume", True))  # once inexact (an RNG state was lost), for good
-    if acc.is_main_process:  # the saved counts are sums over ranks
-        state.skipped.update(saved["skipped"])
+    state.load(saved, acc.is_main_process)
     return files.log_records(up_to_step=saved["step"])

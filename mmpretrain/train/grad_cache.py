@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from mmpretrain.losses.base import total_of
+
 
 @dataclass
 class StepResult:
@@ -71,10 +73,6 @@ def for_objective(feats: dict[str, Any], device: torch.device) -> dict[str, Any]
         return feats
     return {k: v.float() if isinstance(v, torch.Tensor) and v.dtype in (torch.bfloat16, torch.float16) else v
             for k, v in feats.items()}
-
-
-def total_of(out: dict[str, torch.Tensor]) -> torch.Tensor:
-    return sum(v for k, v in out.items() if k.endswith("_loss"))
 
 
 def forward_backward(accelerator, model, objective, images, tokens=None, target_emb=None, *,

@@ -27,6 +27,7 @@ from mmpretrain.data.sources import Source, resolve_sources
 from mmpretrain.data.stream import TrainStream
 from mmpretrain.data.teacher import attach_teachers
 from mmpretrain.losses import WeightedObjective
+from mmpretrain.models import factory
 from mmpretrain.train.schedule import Schedule, resolve_schedule
 
 
@@ -54,7 +55,7 @@ def load_sources(cfg: ExperimentConfig) -> list[Source]:
 def attach_teachers_for(cfg: ExperimentConfig, sources: list[Source], objective: WeightedObjective) -> list[int] | None:
     """The stored teachers' widths when the objective distills from them (attached to the sources, before
     the plan is made from them), else None."""
-    if not objective.needs_teacher:
+    if "teacher" not in objective.needs:
         return None
     try:
         return attach_teachers(sources, cfg.data.embeddings)
@@ -147,14 +148,13 @@ def build_loader(cfg: ExperimentConfig, data: Data, model, objective: WeightedOb
     decoder = SampleDecoder(  # no whole-image draft: the fast crop path reduces from the crop box itself
         transform,
         embeddings={"shards": "require", "online": "ignore", "none": "ignore"}[target_from],
-        labels=objective.needs_labels, embedding_dim=embedding_dim, max_pixels=cfg.data.max_pixels,
-        captions=cfg.data.captions, device_decode=images.device_decode,
-        teacher=objective.needs_teacher, negatives=objective.needs_negatives,
+        embedding_dim=embedding_dim, max_pixels=cfg.data.max_pixels, captions=cfg.data.captions,
+        device_decode=images.device_decode, needs=objective.needs,
     )
     stream = TrainStream(data.plan, decoder, rank, start=position.state() if position is not None else None,
                          tokenizer=tokenizer)
     d = cfg.data
-    context = 0 if cfg.model.text_from_targets else model.model_cfg.get("text_cfg", {}).get("context_length", 77)
+    context = 0 if cfg.model.text_from_targets else model.model_cfg.get("text_cfg", {}).get("context_length", factory.CONTEXT_LENGTH)
     batch = host_memory.batch_bytes(data.schedule.batch_size, size, context, embedding_dim or 0)
     ranks = host_memory.local_ranks()
     try:

@@ -1,11 +1,12 @@
-"""``train_step`` (one optimizer step) and ``fit`` (the loop: log, diagnose, evaluate, checkpoint)."""
+"""``train_step`` (one optimizer step: the training task's inputs, forward and backward, the update) and
+``fit`` (the loop: log, diagnose, evaluate, checkpoint)."""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -14,42 +15,25 @@ import torch
 from accelerate.utils import gather_object
 from tqdm import tqdm
 
+from mmpretrain.data.batch import Batch
 from mmpretrain.data.device_decode import Prefetcher
 from mmpretrain.hub import push_folder
-from mmpretrain.models.factory import trim_padding
+from mmpretrain.losses.base import is_term
 from mmpretrain.train.checkpoint import save_checkpoint
 from mmpretrain.train.diagnostics import plot_run
 from mmpretrain.train.grad_cache import StepResult, forward_backward
-from mmpretrain.train.nonfinite import NonFinite
+from mmpretrain.train.nonfinite import NonFinite, nonfinite_verdict, terms_text
 from mmpretrain.train.reports import all_ranks_skipped, diagnostics, evaluate, log_record
 from mmpretrain.train.schedule import lr_at
 from mmpretrain.train.state import Run
 
 
-def step_context(objective, step: int, batch: dict[str, Any], device: torch.device,
-                 teacher_dims: list[int] | None = None) -> dict[str, Any]:
-    """What the objective's forward receives besides the features: ``step``, ``epoch`` (1-based, the
-    stream epoch the batch belongs to) and the per-sample inputs it declares it needs."""
-    context: dict[str, Any] = {"step": step, "epoch": int(batch["epoch"]) + 1}
-    if objective.needs_labels:
-        context["labels"] = batch["labels"].to(device, non_blocking=True)
-    if getattr(objective, "needs_negatives", False):
-        context["negative_mask"] = batch["negative_mask"].to(device, non_blocking=True)
-    if objective.needs_sample_index:
-        context["sample_index"] = batch["sample_index"].to(device, non_blocking=True)
-    if getattr(objective, "needs_teacher", False):  # the stored teacher rows of the crops and captions trained on
-        for key in ("teacher_image_embeddings", "teacher_text_embeddings"):
-            context[key] = batch[key].to(device, non_blocking=True)
-        context["teacher_dims"] = teacher_dims
-    return context
-
-
-def train_step(run: Run, batch: dict[str, Any]) -> StepResult:
-    """One optimizer step on one batch (``batch["epoch"]``: its 0-based stream epoch); returns the
-    objective's terms, the loss and this rank's features. A non-finite loss skips the update
-    (``train.nonfinite=skip``) with zeroed terms, or raises FloatingPointError: decided on the device
-    and read at the next log step, checkpoint or evaluation where the optimizer can skip an update on
-    the device (:mod:`mmpretrain.train.nonfinite`), on the host at once elsewhere."""
+def train_step(run: Run, batch: Batch) -> StepResult:
+    """One optimizer step on one batch; returns the objective's terms, the loss and this rank's features.
+    A non-finite loss skips the update (``train.nonfinite=skip``) with zeroed terms, or raises
+    FloatingPointError: decided on the device and read at the next log step, checkpoint or evaluation
+    where the optimizer can skip an update on the device (:mod:`mmpretrain.train.nonfinite`), on the host
+    at once elsewhere."""
     cfg, acc, st, sched = run.cfg, run.accelerator, run.state, run.schedule
     if run.nonfinite is None:
         run.nonfinite = NonFinite(acc, run.optimizer)
@@ -58,67 +42,54 @@ def train_step(run: Run, batch: dict[str, Any]) -> StepResult:
                min_lr_ratio=cfg.optim.min_lr_ratio)
     for group in run.optimizer.param_groups:  # optim.layer_decay: each group its own share of the rate
         group["lr"] = lr * group.get("lr_scale", 1.0)
-    images = run.images(batch, acc.device)
-    target_emb = batch.get("target_embeddings")
-    if run.target_encoder is not None:
-        with torch.no_grad():
-            target_emb = run.target_encoder.encode(batch["texts"], convert_to_tensor=True, normalize_embeddings=True)
-    if target_emb is not None:
-        target_emb = target_emb.to(acc.device, non_blocking=True).float()
-    tokens, negative_tokens = batch.get("tokens"), None
-    if tokens is not None:
-        if getattr(run.objective, "needs_negatives", False):  # one text pass: cut to the longer of the two
-            negative_tokens = batch["negative_tokens"]
-            both = torch.cat([tokens, negative_tokens])
-            both = trim_padding(both, cfg.train.text_length_multiple) if run.trim_text else both
-            tokens, negative_tokens = both[:len(tokens)], both[len(tokens):].to(acc.device, non_blocking=True)
-        elif run.trim_text:  # on the host copy: the used length read on the device would be a sync
-            tokens = trim_padding(tokens, cfg.train.text_length_multiple)
-        tokens = tokens.to(acc.device, non_blocking=True)
-    context = step_context(run.objective, st.step, batch, acc.device, run.teacher_dims)
-    encodings_from = getattr(run.objective, "image_encodings_from", None)
-    if encodings_from == "ema":  # ReSA's momentum encoder: the weight average's image tower, no gradient
-        with acc.autocast():
-            context["image_encodings"] = run.ema.encodings(acc.unwrap_model(run.model), images)
-    res = forward_backward(acc, run.model, run.objective, images, tokens, target_emb, negative_tokens=negative_tokens,
-                           encodings=encodings_from == "online", micro_batch=cfg.train.micro_batch_size,
-                           mode=cfg.train.micro_batch_mode, finite=guard.agree, context=context)
+    inputs = run.task.inputs(batch, st.step, acc, run.model)
+    res = forward_backward(acc, run.model, run.objective, inputs.images, inputs.tokens, inputs.target_embeddings,
+                           negative_tokens=inputs.negative_tokens, encodings=inputs.encodings,
+                           micro_batch=cfg.train.micro_batch_size, mode=cfg.train.micro_batch_mode, finite=guard.agree,
+                           context=inputs.context)
     res.terms["lr"] = lr
     if isinstance(res.finite, torch.Tensor):  # decided on the device: no host read until the next log step
-        ok = res.finite
-        guard.record(st.step, ok, res.terms)
-        run.objective.commit_step(ok)  # state that moves only with accepted steps (global_clip's estimates)
-        if cfg.optim.grad_clip_norm is not None:
-            acc.clip_grad_norm_(run.model.parameters(), cfg.optim.grad_clip_norm)
-        with guard.skip_update(ok):  # fused AdamW leaves everything as it was when the loss was not finite
-            run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)
-        zero = torch.zeros((), device=ok.device)
-        res.terms = {k: torch.where(ok, v, zero) if k.endswith(("_loss", "_unweighted")) and isinstance(v, torch.Tensor)
-                     else v for k, v in res.terms.items()}
-        res.loss = torch.where(ok, res.loss, zero)
+        guard.record(st.step, res.finite, res.terms)
+        apply_update(run, res.finite)
+        zero_terms(res, res.finite)
     elif not res.finite:
-        terms = ", ".join(f"{k}={float(v):.4g}" for k, v in res.terms.items() if k.endswith(("_loss", "_unweighted")))
         st.nonfinite_steps += 1
-        if cfg.train.nonfinite == "stop" or st.nonfinite_steps > cfg.train.max_skipped_steps:
-            raise FloatingPointError(f"non-finite loss at step {st.step} ({terms}); the last checkpoint holds the "
-                                     "state before it (train.nonfinite=skip skips such steps)")
-        print(f"warning: non-finite loss at step {st.step} ({terms}): step skipped "
-              f"({st.nonfinite_steps}/{cfg.train.max_skipped_steps})", file=sys.stderr)
+        nonfinite_verdict(st.step, terms_text(res.terms), st.nonfinite_steps, cfg)
         run.optimizer.zero_grad(set_to_none=True)
         run.objective.discard_step()
-        res.terms = {k: torch.zeros(()) if k.endswith(("_loss", "_unweighted")) else v for k, v in res.terms.items()}
-        res.loss = torch.zeros(())
+        zero_terms(res)
         return res
     else:
-        run.objective.commit_step()
-        if cfg.optim.grad_clip_norm is not None:
-            acc.clip_grad_norm_(run.model.parameters(), cfg.optim.grad_clip_norm)
-        run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)
+        apply_update(run)
     with torch.no_grad():
         acc.unwrap_model(run.model).clip.logit_scale.clamp_(0, math.log(cfg.train.max_logit_scale))
     return res
+
+
+def apply_update(run: Run, ok: torch.Tensor | None = None) -> None:
+    """The optimizer's sequence after a backward, in one place: the objective's proposed state committed,
+    gradients clipped (``optim.grad_clip_norm``), the step, the gradients dropped. ``ok``: the device's
+    0-dim verdict on the loss (fused AdamW then skips the update on the device where it is False); None:
+    the loss is known finite."""
+    acc, optimizer = run.accelerator, run.optimizer
+    run.objective.commit_step(ok)  # state that moves only with accepted steps (global_clip's estimates)
+    if run.cfg.optim.grad_clip_norm is not None:
+        acc.clip_grad_norm_(run.model.parameters(), run.cfg.optim.grad_clip_norm)
+    with run.nonfinite.skip_update(ok) if ok is not None else nullcontext():
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def zero_terms(res: StepResult, ok: torch.Tensor | None = None) -> None:
+    """A skipped step's loss terms and loss as zeros (where ``ok`` is False, on the device; all when None)."""
+    if ok is None:
+        res.terms = {k: torch.zeros(()) if is_term(k) else v for k, v in res.terms.items()}
+        res.loss = torch.zeros(())
+        return
+    zero = torch.zeros((), device=ok.device)
+    res.terms = {k: torch.where(ok, v, zero) if is_term(k) and isinstance(v, torch.Tensor) else v
+                 for k, v in res.terms.items()}
+    res.loss = torch.where(ok, res.loss, zero)
 
 
 def fit(run: Run) -> dict[str, Any]:
@@ -136,7 +107,7 @@ def fit(run: Run) -> dict[str, Any]:
             t_wait = time.perf_counter()
             batch = next(it)
             waited += time.perf_counter() - t_wait
-            st.skipped.update(batch["skipped"])
+            st.skipped.update(batch.skipped)
             st.position.advance(batch)
             res = train_step(run, batch)
             st.step += 1
@@ -200,6 +171,5 @@ def train_state_json(run: Run) -> dict[str, Any]:
     positions = [st.position.state()]
     if run.accelerator.num_processes > 1:
         positions = gather_object(positions)
-    return {"samples": st.samples, "epoch": run.schedule.epoch_at(st.step), "schedule": asdict(run.schedule),
-            "skipped": all_ranks_skipped(run.accelerator, st.skipped), "loader": positions,
-            "nonfinite_steps": st.nonfinite_steps, "exact_resume": st.exact, "config": run.cfg.model_dump(mode="json")}
+    return st.saved(positions, all_ranks_skipped(run.accelerator, st.skipped), run.schedule.epoch_at(st.step),
+                    asdict(run.schedule), run.cfg.model_dump(mode="json"))

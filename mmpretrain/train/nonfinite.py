@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from mmpretrain.losses.base import is_term
 from mmpretrain.train.engine import engine_name
 
 
@@ -40,7 +41,8 @@ def skips_on_device(accelerator, optimizer) -> bool:
 
 
 def loss_terms(terms: dict[str, Any]) -> list[str]:
-    return sorted(k for k in terms if k.endswith(("_loss", "_unweighted")) and isinstance(terms[k], torch.Tensor))
+    """The loss terms' keys (:func:`~mmpretrain.losses.base.is_term`) among a step's outputs, sorted."""
+    return sorted(k for k in terms if is_term(k) and isinstance(terms[k], torch.Tensor))
 
 
 class NonFinite:
@@ -97,12 +99,24 @@ class NonFinite:
         self.count.zero_()
         self.first.fill_(-1)
         state.nonfinite_steps += count
-        since = f" and {count - 1} more step(s) after it" if count > 1 else ""
-        if cfg.train.nonfinite == "stop" or state.nonfinite_steps > cfg.train.max_skipped_steps:
-            raise FloatingPointError(f"non-finite loss at step {first} ({terms}){since}; the last checkpoint holds the "
-                                     "state before it (train.nonfinite=skip skips such steps)")
-        print(f"warning: non-finite loss at step {first} ({terms}){since}: step(s) skipped "
-              f"({state.nonfinite_steps}/{cfg.train.max_skipped_steps})", file=sys.stderr)
+        nonfinite_verdict(first, terms, state.nonfinite_steps, cfg, count - 1)
+
+
+def terms_text(terms: dict[str, Any]) -> str:
+    """A step's loss terms as the non-finite message names them (``clip_loss=nan, ...``)."""
+    return ", ".join(f"{k}={float(terms[k]):.4g}" for k in loss_terms(terms))
+
+
+def nonfinite_verdict(step: int, terms: str, skipped: int, cfg, more: int = 0) -> None:
+    """The non-finite rule, in one place: raise FloatingPointError under ``train.nonfinite=stop`` or once
+    ``skipped`` (the run's non-finite steps so far) is past ``train.max_skipped_steps``; else warn. ``step``:
+    the first non-finite step, ``terms`` its loss terms, ``more``: non-finite steps after it."""
+    since = f" and {more} more step(s) after it" if more else ""
+    if cfg.train.nonfinite == "stop" or skipped > cfg.train.max_skipped_steps:
+        raise FloatingPointError(f"non-finite loss at step {step} ({terms}){since}; the last checkpoint holds the "
+                                 "state before it (train.nonfinite=skip skips such steps)")
+    print(f"warning: non-finite loss at step {step} ({terms}){since}: step(s) skipped "
+          f"({skipped}/{cfg.train.max_skipped_steps})", file=sys.stderr)
 
 
 class _FoundInf:

@@ -14,6 +14,7 @@ from accelerate.utils import gather_object
 from mmpretrain.eval import merge_results
 from mmpretrain.train.diagnostics import GEOMETRY_ROWS, geometry, similarity_histogram
 from mmpretrain.train.engine import full_weights
+from mmpretrain.train.nonfinite import loss_terms
 from mmpretrain.train.state import Run
 
 
@@ -24,7 +25,7 @@ def log_record(run: Run, terms: dict[str, torch.Tensor], loss: torch.Tensor, lr:
     with a ``/``, equal on every rank); learning rate, scale, throughput since ``since`` over ``steps``
     steps, skipped samples by reason (all ranks)."""
     acc, st = run.accelerator, run.state
-    keys = sorted(k for k in terms if k.endswith("_loss") or k.endswith("_unweighted"))
+    keys = loss_terms(terms)
     vals = acc.reduce(torch.stack([terms[k].detach().float() for k in keys] + [loss.detach().float()])
                       .to(acc.device), reduction="mean").tolist()
     rec: dict[str, Any] = {"step": st.step, "samples": st.samples, "epoch": run.schedule.epoch_at(st.step), "lr": lr}

@@ -47,6 +47,7 @@ from mmpretrain.train.inputs import (
 from mmpretrain.train.layer_decay import layer_decay_note
 from mmpretrain.train.schedule import param_groups
 from mmpretrain.train.state import Run, TrainState, numeric
+from mmpretrain.train.task import TrainingTask
 
 
 @dataclass
@@ -64,7 +65,7 @@ def build_objective_for(cfg: ExperimentConfig, rank: int, world_size: int, datas
     try:
         objective = build_objective([t.model_dump() for t in cfg.loss], rank=rank, world_size=world_size,
                                     dataset_size=dataset_size, index_size=index_size)
-        encodings_from = objective.image_encodings_from
+        encodings_from = objective.encodings
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if encodings_from == "ema" and cfg.train.ema is None:
@@ -83,7 +84,7 @@ def target_source(cfg: ExperimentConfig, sources: list[Source], objective: Weigh
     models = {recorded(s).get("model") for s in sources}
     try:
         return choose_target_source(cfg.targets.source, cfg.targets.model, models,
-                                    needed=cfg.model.text_from_targets or objective.needs_targets,
+                                    needed=cfg.model.text_from_targets or "targets" in objective.needs,
                                     text_from_targets=cfg.model.text_from_targets)
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -121,7 +122,7 @@ def build_model(cfg: ExperimentConfig, objective: WeightedObjective, sharded: st
                           "model.text_model" if m.text_model else f"model.arch={m.arch}'s text tower")
         if m.text_from_targets:
             factory.check_text_from_targets(model_cfg, cfg.targets.model)
-            if objective.needs_negatives:
+            if "negatives" in objective.needs:
                 raise ValueError("hard_negatives needs the text tower to encode the negative captions; with "
                                  "model.text_from_targets=true the text side is the stored embeddings: set it false")
         model_cfg = factory.with_logit_init(model_cfg, objective.init_logit_scale, objective.init_logit_bias)
@@ -143,7 +144,7 @@ def build_model(cfg: ExperimentConfig, objective: WeightedObjective, sharded: st
         module.clip.logit_bias.requires_grad_(False)
     if m.lora is not None:
         apply_lora_note(module, m, sharded)
-    if objective.needs_image_encodings and not factory.has_pre_projection(module.clip.visual):
+    if "image_encodings" in objective.needs and not factory.has_pre_projection(module.clip.visual):
         raise ConfigError(f"loss resa needs the image tower's output before its projection, which model.arch={m.arch}'s "
                           f"{type(module.clip.visual).__name__} does not expose (open_clip's ViT towers do)")
     return Model(module, model_cfg, factory.default_preprocess_cfg(model_cfg))
@@ -259,10 +260,10 @@ def setup(cfg: ExperimentConfig) -> Run:
                               num_workers=cfg.eval.num_workers, rank=rank, world_size=world)
     run = Run(cfg, acc, module, objective, optimizer, loader, data.schedule, files, state,
               preprocess=image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=False),
-              tokenizer=tokenizer, target_encoder=target_encoder,
-              trim_text=factory.trims_text(model.module.clip), evaluator=evaluator,
-              log=JsonlLog(files.log, records) if acc.is_main_process else None, images=images,
-              teacher_dims=teacher_dims, ema=ema)
+              tokenizer=tokenizer, evaluator=evaluator,
+              log=JsonlLog(files.log, records) if acc.is_main_process else None, images=images, ema=ema,
+              task=TrainingTask(objective, images, target_encoder, factory.trims_text(model.module.clip),
+                                cfg.train.text_length_multiple, teacher_dims, ema))
     if cfg.train.log_with:
         hparams = {k: str(v) if isinstance(v, (list, dict)) else v
                    for k, v in flat_config(cfg.model_dump(mode="json")).items() if v is not None}

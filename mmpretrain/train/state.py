@@ -18,6 +18,7 @@ from mmpretrain.eval import Evaluator
 from mmpretrain.losses import WeightedObjective
 from mmpretrain.run_files import JsonlLog, RunFolder
 from mmpretrain.train.schedule import Schedule
+from mmpretrain.train.task import TrainingTask
 
 
 @dataclass
@@ -34,6 +35,23 @@ class TrainState:
     skipped: Counter[str] = field(default_factory=Counter)
     exact: bool = True  # False once resumed from a checkpoint without its RNG states (not bit-exact)
 
+    def saved(self, positions: list[dict[str, Any]], skipped: dict[str, int], epoch: int, schedule: dict[str, Any],
+              config: dict[str, Any]) -> dict[str, Any]:
+        """The state as ``train_state.json`` holds it (the checkpoint adds ``step`` and ``saved_at``):
+        every rank's stream position (``loader[rank]``), the skipped samples summed over ranks, the
+        schedule and the config trained with."""
+        return {"samples": self.samples, "epoch": epoch, "schedule": schedule, "skipped": skipped, "loader": positions,
+                "nonfinite_steps": self.nonfinite_steps, "exact_resume": self.exact, "config": config}
+
+    def load(self, saved: dict[str, Any], main: bool) -> None:
+        """The counters of a :meth:`saved` state (the stream position is loaded when it is made, before the
+        loader); ``main``: the main process, which holds the skipped counts (sums over ranks)."""
+        self.step, self.samples = saved["step"], saved["samples"]
+        self.nonfinite_steps = saved.get("nonfinite_steps", 0)
+        self.exact = bool(saved.get("exact_resume", True))  # once inexact (an RNG state was lost), for good
+        if main:
+            self.skipped.update(saved["skipped"])
+
 
 @dataclass
 class Run:
@@ -48,15 +66,18 @@ class Run:
     state: TrainState
     preprocess: Callable | None = None  # evaluation image transform and tokenizer, for the evaluator
     tokenizer: Callable | None = None
-    target_encoder: Any = None  # a SentenceTransformer with targets.source=online
-    trim_text: bool = False  # drop the batch's trailing padding columns before the text tower (factory.trims_text)
     evaluator: Evaluator | None = None
     log: JsonlLog | None = None  # main process only
     histograms: dict[str, list[float]] | None = None  # of the last diagnostics batch
     images: ImageInput = field(default_factory=ImageInput)  # batch -> model input (data/image_input.py)
     nonfinite: Any = None  # the non-finite step guard (train/nonfinite.py), made by the first train_step
-    teacher_dims: list[int] | None = None  # each stored teacher's width, for objectives that distill (teacher.py)
     ema: Any = None  # train.ema: the weights' moving average (train/ema.py)
+    task: TrainingTask | None = None  # what a step feeds the model and the objective (train/task.py)
+
+    def __post_init__(self):
+        if self.task is None:  # the run's own parts
+            self.task = TrainingTask(self.objective, self.images, ema=self.ema,
+                                     text_length_multiple=self.cfg.train.text_length_multiple)
 
     def write(self, rec: dict[str, Any]) -> None:
         """A log record: log.jsonl and the trackers (main process)."""

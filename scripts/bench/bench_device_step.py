@@ -36,6 +36,7 @@ import io
 import random
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -99,7 +100,7 @@ def main() -> None:
     args = p.parse_args()
     import torchvision.io as tio
 
-    from mmpretrain.data.collate import collate
+    from mmpretrain.data.batch import collate
     from mmpretrain.data.crop import ResizedCrop
     from mmpretrain.data.decode import SampleDecoder, augmentation_seed
     from mmpretrain.data.device_decode import DeviceDecoder
@@ -166,7 +167,9 @@ def main() -> None:
     placeholder = [it if "image" in it else dict(it, image=torch.zeros((S, S, 3), dtype=torch.uint8)) for it in items]
 
     def shm_bytes(batch) -> int:
-        return sum(v.numel() * v.element_size() for v in batch.values() if isinstance(v, torch.Tensor))
+        parts = [getattr(batch, f.name) for f in fields(batch)]
+        parts += [getattr(batch.jpeg, f.name) for f in fields(batch.jpeg)] if batch.jpeg is not None else []
+        return sum(v.numel() * v.element_size() for v in parts if isinstance(v, torch.Tensor))
 
     before, after = shm_bytes(collate(placeholder, tok)), shm_bytes(collate(items, tok))
     result["shm_bytes_per_batch"] = {"batch": B, "earlier": before, "now": after}

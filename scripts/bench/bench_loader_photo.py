@@ -69,7 +69,7 @@ def profile(samples: list[tuple[str, bytes]], folder: Path, size: int, batch: in
     import torch
     from open_clip.transform import PreprocessCfg, image_transform_v2
 
-    from mmpretrain.data.collate import collate
+    from mmpretrain.data.batch import collate
     from mmpretrain.data.decode import augmentation_seed, split_normalize
     from mmpretrain.data.tar import read_tar
 

@@ -188,13 +188,14 @@ def main() -> int:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
     from data_tools.build import build
     from data_tools.embed import embed
+    from mmpretrain.config.base import DEMO_TEXT_MODEL
 
     print(f"cpu: {cpu_rates()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "openmoji"
         build("demo:openmoji", root, image_size=args.shard_px, shard_size=100, image_format="jpg")
         data = root / "train"
-        embed(data, "sentence-transformers/all-MiniLM-L6-v2")
+        embed(data, DEMO_TEXT_MODEL)
         if "ours_negatives" in args.variants:
             from data_tools.negatives import negatives
 

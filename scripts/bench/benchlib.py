@@ -171,7 +171,7 @@ def stream_rate(sources, transform, tokenizer, batch_size: int, workers: int, ep
         it = Prefetcher(it, DeviceDecoder(crop, device))
     seen = 0
     for _ in range(plan.steps_per_epoch * epochs):
-        seen += next(it)["images"].shape[0]
+        seen += next(it).images.shape[0]
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0

@@ -124,11 +124,11 @@ def step_section(args, device, data: Path) -> dict:
 
         # open_clip_train's step on the same samples: the batch as its loader gives it (float, normalised
         # on the host), full-length tokens, ClipLoss, torch's default AdamW, the clamp
-        images = batch["images"]
+        images = batch.images
         norm = run.images.normalize
         if norm is not None:  # the same normalisation, on the host (a copy: the run's stays on the device)
             images = DeviceNormalize(norm.mean.cpu(), norm.std.cpu(), norm.channels_last)(images)
-        tokens = batch["tokens"]
+        tokens = batch.tokens
         if device.type == "cuda":
             images, tokens = images.pin_memory(), tokens.pin_memory()
         torch.manual_seed(0)
@@ -171,10 +171,10 @@ def step_section(args, device, data: Path) -> dict:
         peak, peak_source = peak_tflops(device, args.peak_tflops)
         mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         res = {"model": args.model, "batch_size": args.batch_size, "precision": args.precision,
-               "tokens_open_clip": int(batch["tokens"].shape[1]), "engine": str(acc.distributed_type),
-               "tokens_ours": int(trim_padding(batch["tokens"], cfg.train.text_length_multiple).shape[1]
-                                  if run.trim_text else batch["tokens"].shape[1]),
-               "text_length_used": int((batch["tokens"] != 0).sum(1).max()),
+               "tokens_open_clip": int(batch.tokens.shape[1]), "engine": str(acc.distributed_type),
+               "tokens_ours": int(trim_padding(batch.tokens, cfg.train.text_length_multiple).shape[1]
+                                  if run.task.trim_text else batch.tokens.shape[1]),
+               "text_length_used": int((batch.tokens != 0).sum(1).max()),
                "flops_per_step": flops, "samples_per_s": {k: round(args.batch_size / v, 1) for k, v in med.items()},
                "ms_per_step": {k: round(v * 1000, 2) for k, v in med.items()},
                "speedup": round(med["open_clip_train"] / med["ours"], 4),
@@ -332,7 +332,7 @@ def jpeg_faults_section(args, device) -> dict:
     import torch
     import torchvision.io as tio
 
-    from mmpretrain.data.collate import collate
+    from mmpretrain.data.batch import collate
     from mmpretrain.data.crop import ResizedCrop
     from mmpretrain.data.decode import SampleDecoder, SkipSample
     from mmpretrain.data.device_decode import DeviceDecoder
@@ -359,10 +359,10 @@ def jpeg_faults_section(args, device) -> dict:
         except SkipSample as e:
             out[name] = {"device decode_jpeg": raw, "shipped to the device": False, "counted": {e.reason: 1}}
             continue
-        shipped = "jpeg_slots" in batch
+        shipped = batch.jpeg is not None
         DeviceDecoder(crop, device)(batch)
         out[name] = {"device decode_jpeg": raw, "shipped to the device": shipped,
-                     "counted": {k: v for k, v in batch.get("skipped", {}).items()
+                     "counted": {k: v for k, v in batch.skipped.items()
                                  if k not in ("repeated_in_batch", "device_decoded")}}
     want = {"photo": {}, "broken Huffman tables": {"undecodable_image": 1}}
     out["rule_holds"] = all(out[n]["counted"] == want.get(n, {"truncated_jpeg": 1}) for n in cases)

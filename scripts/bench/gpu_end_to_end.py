@@ -169,9 +169,9 @@ def ours_side(args, device, photos: Path, decode: str, workers: int, tmp: Path) 
     epochs: set[int] = set()
     try:
         def step(batch):
-            epochs.add(int(batch["epoch"]))
-            run.state.skipped.update(batch["skipped"])
-            run.state.samples += len(batch["keys"])
+            epochs.add(int(batch.epoch))
+            run.state.skipped.update(batch.skipped)
+            run.state.samples += len(batch.keys)
             train_step(run, batch)
             run.state.step += 1
 

@@ -34,8 +34,10 @@ from pathlib import Path
 
 import yaml
 
+from mmpretrain.config.base import DEMO_TEXT_MODEL
+
 ROOT = Path(__file__).resolve().parents[2]
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
+MINILM = DEMO_TEXT_MODEL
 NOTO = ROOT / ".cache/noto/emoji-datasource-google-16.0.0"  # `make noto`
 
 

@@ -19,6 +19,8 @@ from mmpretrain.data.plan import StreamPlan
 from mmpretrain.data.sources import resolve_sources
 from mmpretrain.data.stream import TrainStream
 
+from conftest import TEXT_MODEL
+
 
 def _decoder():
     from open_clip.transform import PreprocessCfg, image_transform_v2
@@ -80,8 +82,8 @@ def _run_epoch(plan):
     keys, skipped = [], Counter()
     for _ in range(plan.steps_per_epoch):
         b = next(it)
-        keys += b["keys"]
-        skipped.update(b["skipped"])
+        keys += b.keys
+        skipped.update(b.skipped)
     return keys, skipped
 
 
@@ -237,9 +239,9 @@ def test_bad_stored_embeddings_are_counted_skips(tmp_path):
     keys, skipped = [], Counter()
     for _ in range(plan.steps_per_epoch):
         b = next(it)
-        keys += b["keys"]
-        skipped.update(b["skipped"])
-        assert b["target_embeddings"].shape == (2, 8) and b["target_embeddings"].isfinite().all()
+        keys += b.keys
+        skipped.update(b.skipped)
+        assert b.target_embeddings.shape == (2, 8) and b.target_embeddings.isfinite().all()
     assert skipped["bad_embedding"] == len(BAD_EMBEDDINGS)
     assert not any(k.startswith("bad_") for k in keys)
 
@@ -358,6 +360,6 @@ def test_shards_copied_without_their_sidecars_are_refused_before_training(openmo
         assert r.stdout.count("manifest records embeddings beside the shards") == 1, r.stdout
         assert "no emb.npy" not in r.stdout and "missing_embedding:" not in r.stdout, r.stdout
     # the fix the message gives: embedding the copy trains
-    assert run_main("data_tools", "embed", str(data), "--model", "sentence-transformers/all-MiniLM-L6-v2").returncode == 0
+    assert run_main("data_tools", "embed", str(data), "--model", TEXT_MODEL).returncode == 0
     r = train(data, tmp_path / "run2", "train.steps=2", "data.num_workers=0")
     assert r.returncode == 0, r.stderr[-2000:]

@@ -10,7 +10,7 @@ import io
 import pytest
 from PIL import Image
 
-from mmpretrain.data.collate import collate
+from mmpretrain.data.batch import collate
 from mmpretrain.data.crop import ResizedCrop
 from mmpretrain.data.decode import SampleDecoder, SkipSample
 from mmpretrain.data.device_decode import DeviceDecoder
@@ -45,10 +45,10 @@ def _verdict(decoder, crop, jpg):
     except SkipSample as e:
         return e.reason
     batch = collate(items)
-    if "jpeg_slots" in batch:
-        assert batch["jpeg_slots"].tolist() == [1]
+    if batch.jpeg is not None:
+        assert batch.jpeg.slots.tolist() == [1]
         DeviceDecoder(crop, "cpu", batched=True)(batch)  # the GPU's crop stage and tail check
-        bad = {k: v for k, v in batch.get("skipped", {}).items() if k not in ("repeated_in_batch", "device_decoded")}
+        bad = {k: v for k, v in batch.skipped.items() if k not in ("repeated_in_batch", "device_decoded")}
         return next(iter(bad), "kept")
     return "kept"
 

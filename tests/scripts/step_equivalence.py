@@ -33,6 +33,7 @@ def main(out_path: str | None, which: str = "default") -> dict:
     from accelerate import Accelerator
 
     from mmpretrain.config import load_config
+    from mmpretrain.data.batch import Batch
     from mmpretrain.losses import build_objective
     from mmpretrain.models.factory import build_dual_encoder, resolve_model_cfg
     from mmpretrain.train import Run, TrainState, train_step
@@ -79,9 +80,9 @@ def main(out_path: str | None, which: str = "default") -> dict:
         for step in range(n_steps):
             rows = slice(rank * G // world, (rank + 1) * G // world)
             # the same G samples every step, one epoch each: global_clip's estimates carry over (γ < 1)
-            out = train_step(run, {"images": images[step, rows], "tokens": tokens[step, rows],
-                                   "target_embeddings": targets[step, rows], "epoch": step,
-                                   "sample_index": torch.arange(G)[rows]})
+            out = train_step(run, Batch(images=images[step, rows], tokens=tokens[step, rows],
+                                        target_embeddings=targets[step, rows], epoch=step,
+                                        sample_index=torch.arange(G)[rows]))
             run.state.step += 1
             losses.append(acc.reduce(out.loss.reshape(1).double(), reduction="mean").item())
         w = acc.unwrap_model(model)

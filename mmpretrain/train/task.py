@@ -1,0 +1,96 @@
+"""The training task: what one step feeds the model and the objective, read off the objective's
+declarations (:data:`mmpretrain.losses.base.NEEDS`) and the typed batch (:mod:`mmpretrain.data.batch`).
+
+The trainer has no branch on an objective's name or on a single need's batch field: a need served by batch
+fields reaches the objective's forward as those fields, by name (:meth:`Batch.for_needs`); the task adds
+what the model or the run provides (the text pass over hard-negative captions, the image encodings, the
+teachers' widths, caption embeddings computed online).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mmpretrain.data.batch import Batch
+from mmpretrain.data.image_input import ImageInput
+from mmpretrain.losses.base import NEEDS
+from mmpretrain.models.factory import trim_padding
+
+
+@dataclass
+class StepInputs:
+    """One step's inputs on the device: the model's (``images (B, 3, H, W)``, ``tokens (B, L)``,
+    ``target_embeddings (B, E)``, ``negative_tokens (B, L)``, whether it returns ``image_encodings``) and
+    ``context``, the objective's keywords besides the features (``step``, ``epoch`` and its needs)."""
+
+    images: torch.Tensor
+    tokens: torch.Tensor | None = None
+    target_embeddings: torch.Tensor | None = None
+    negative_tokens: torch.Tensor | None = None
+    encodings: bool = False
+    context: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainingTask:
+    """``objective``: the run's; ``images``: its image input; ``target_encoder``: the sentence-transformer
+    with ``targets.source=online``; ``trim_text``: drop the batch's trailing padding before the text tower
+    (to a multiple of ``text_length_multiple``); ``teacher_dims``: each stored teacher's width; ``ema``:
+    the weights' average (``encodings = "ema"``)."""
+
+    objective: Any
+    images: ImageInput = field(default_factory=ImageInput)
+    target_encoder: Any = None
+    trim_text: bool = False
+    text_length_multiple: int = 8
+    teacher_dims: list[int] | None = None
+    ema: Any = None
+
+    def __post_init__(self):
+        unknown = sorted(set(self.objective.needs) - NEEDS.keys())
+        if unknown:
+            raise ValueError(f"the objective needs {unknown}, which nothing provides; known needs: {sorted(NEEDS)}")
+
+    @property
+    def needs(self) -> frozenset[str]:
+        return frozenset(self.objective.needs)
+
+    def inputs(self, batch: Batch, step: int, accelerator, model) -> StepInputs:
+        """The step's inputs from ``batch`` (``batch.epoch``: its 0-based stream epoch) at optimizer step
+        ``step``; ``model``: the prepared model (its image tower's average, for ``encodings = "ema"``)."""
+        device = accelerator.device
+        images = self.images(batch, device)
+        target = batch.target_embeddings
+        if self.target_encoder is not None:
+            with torch.no_grad():
+                target = self.target_encoder.encode(batch.texts, convert_to_tensor=True, normalize_embeddings=True)
+        if target is not None:
+            target = target.to(device, non_blocking=True).float()
+        tokens, negative_tokens = self._tokens(batch, device)
+        context: dict[str, Any] = {"step": step, "epoch": int(batch.epoch) + 1}
+        context.update({k: v.to(device, non_blocking=True) for k, v in batch.for_needs(self.needs).items()})
+        if "teacher" in self.needs:
+            context["teacher_dims"] = self.teacher_dims
+        encodings = self.objective.encodings if "image_encodings" in self.needs else None
+        if encodings == "ema":  # ReSA's momentum encoder: the weight average's image tower, no gradient
+            with accelerator.autocast():
+                context["image_encodings"] = self.ema.encodings(accelerator.unwrap_model(model), images)
+        return StepInputs(images, tokens, target, negative_tokens, encodings == "online", context)
+
+    def _tokens(self, batch: Batch, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The captions' tokens and, with ``negatives``, the negatives' (one text pass: both cut to the
+        longer of the two), trimmed on the host copy: the used length read on the device would be a sync."""
+        tokens = batch.tokens
+        if tokens is None:
+            return None, None
+        if "negatives" in self.needs:
+            both = torch.cat([tokens, batch.negative_tokens])
+            both = trim_padding(both, self.text_length_multiple) if self.trim_text else both
+            return (both[:len(tokens)].to(device, non_blocking=True),
+                    both[len(tokens):].to(device, non_blocking=True))
+        if self.trim_text:
+            tokens = trim_padding(tokens, self.text_length_multiple)
+        return tokens.to(device, non_blocking=True), None
