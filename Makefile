@@ -34,7 +34,7 @@ demo: setup
 	echo "demo done in $$(( $$(date +%s) - start )) s: results in $(RUN)/results.json, export in $(RUN)/export"
 
 test: setup
-	$(BIN)/python -m pytest -m "not slow" -q --durations=15
+	$(BIN)/python -m pytest -m "not slow" -q --durations=50
 
 # The unit tier (~40 s): no built data, training run, launcher or server (tests/conftest.py marks them)
 test-unit: setup

@@ -166,15 +166,22 @@ def run_main(*args: str) -> subprocess.CompletedProcess:
 # --------------------------------------------------------------------------- training in a test
 
 CONFIG = ROOT / "configs/demo.yaml"
-SHORT = ["train.epochs=null", "optim.warmup_steps=1", "train.progress=false", "train.log_with=[]"]
+# the tests' micro image tower on the demo config (its 6 x 256-wide ViT -> 2 x 64): every mechanism the
+# demo's runs exercise, a fraction of their compute and checkpoint bytes; test_demo.py trains the demo's own
+MICRO = ["model.overrides={embed_dim: 64, vision_cfg: {width: 64, layers: 2, head_width: 32}}"]
+DEMO_TOWER = ["model.overrides={}"]  # after MICRO: the demo config's own tower (a test of its widths or layers)
+# no end-of-run plots (1.4 of a short run's ~2.2 s; test_train.py's observability test draws them)
+SHORT = ["train.epochs=null", "optim.warmup_steps=1", "train.progress=false", "train.log_with=[]", "train.plots=false"]
 
 
 def train(data: Path, run_dir: Path, *overrides: str, config: Path = CONFIG) -> subprocess.CompletedProcess:
     """``python -m mmpretrain.train --config CONFIG data.train=DATA run_dir=RUN_DIR`` with a short run's
-    settings (:data:`SHORT`: steps, not epochs; one warm-up step; no progress bar or trackers) and
-    ``overrides`` after them, through :func:`run_main`. ``data``: the training data (a folder or spec)."""
+    settings (:data:`SHORT`: steps, not epochs; one warm-up step; no progress bar, trackers or plots), the
+    micro tower on the demo config (:data:`MICRO`) and ``overrides`` after them, through :func:`run_main`.
+    ``data``: the training data (a folder or spec)."""
+    micro = MICRO if config == CONFIG else []  # a shipped config of its own runs as shipped
     return run_main("mmpretrain.train", "--config", str(config), f"data.train={data}", f"run_dir={run_dir}", *SHORT,
-                    *overrides)
+                    *micro, *overrides)
 
 
 def setup_run(data: Path, run_dir: Path, *overrides: str, config: Path = CONFIG):
@@ -184,7 +191,8 @@ def setup_run(data: Path, run_dir: Path, *overrides: str, config: Path = CONFIG)
     from mmpretrain.train import setup
 
     reset_process_state()
-    return setup(load_config(config, [f"data.train={data}", f"run_dir={run_dir}", *SHORT, *overrides]))
+    micro = MICRO if config == CONFIG else []
+    return setup(load_config(config, [f"data.train={data}", f"run_dir={run_dir}", *SHORT, *micro, *overrides]))
 
 
 def launch(run_dir: Path, data: Path, *overrides: str, accelerate: str = "cpu-2proc", launch_args: tuple = (),
@@ -195,7 +203,7 @@ def launch(run_dir: Path, data: Path, *overrides: str, accelerate: str = "cpu-2p
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / f"configs/accelerate/{accelerate}.yaml"), "--num_processes", "2", *launch_args,
            *([wrapper] if wrapper else ["-m"]), "mmpretrain.train", "--config", str(CONFIG), f"data.train={data}",
-           f"run_dir={run_dir}", "train.progress=false", "train.log_with=[]", *overrides]
+           f"run_dir={run_dir}", "train.progress=false", "train.log_with=[]", "train.plots=false", *overrides]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
 
 
@@ -225,7 +233,7 @@ DDP_EVAL = ["--dataset", "{data}", "{data}", "--task", "zeroshot_classification"
 # one epoch of 4 shards (one damaged, :func:`damaged`) at 20 a rank, no spare sample: tests/reliability/
 # test_stream_fill.py, and on 2 ranks x 2 workers in the ddp_checks launch
 BAD_SHARD_RUN = ["train.epochs=1", "train.steps=null", "data.batch_size=20", "optim.warmup_steps=1", "train.log_every=1",
-                 "train.progress=false", "train.log_with=[]"]
+                 "train.progress=false", "train.log_with=[]", "train.plots=false"]
 HTML_PAGE = b"<html><head><title>502 Bad Gateway</title></head><body>nginx</body></html>\n" * 40
 
 
@@ -259,7 +267,7 @@ def ddp_checks(openmoji, tmp_path_factory) -> dict:
     bad = {kind: ["--config", str(CONFIG), f"data.train={damaged(openmoji, out / kind, kind)}",
                   f"run_dir={out / ('run_' + kind)}", *BAD_SHARD_RUN, "data.num_workers=2"] for kind in ("html", "sidecar")}
     plan = {"train": ["--config", str(CONFIG), f"data.train={openmoji / 'train'}", f"run_dir={run_dir}",
-                      "train.progress=false", "train.log_with=[]", *DDP_RUN], "bad_shards": bad,
+                      "train.progress=false", "train.log_with=[]", "train.plots=false", *DDP_RUN], "bad_shards": bad,
             "eval": ["--model", str(run_dir), *(a.format(data=openmoji) for a in DDP_EVAL), "--output",
                      str(out / "eval.json")],
             "checks": ["unused", "masks", "steps", "nonfinite"], "data": str(openmoji / "train"), "runs": str(out / "runs"),

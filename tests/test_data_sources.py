@@ -25,8 +25,8 @@ def shard_content(folder: Path) -> list[tuple]:
             for s in read_tar(folder / name)]
 
 
-def broken_tsv(root: Path, emoji_images) -> Path:
-    """1,000 rows: 950 good, 50 broken in 7 ways."""
+def broken_tsv(root: Path, emoji_images, good_rows: int = 950) -> Path:
+    """``good_rows`` good rows (950: 1,000 rows in all) and 50 broken in 7 ways, interleaved."""
     imgs = root / "imgs"
     imgs.mkdir()
     good = []
@@ -39,11 +39,12 @@ def broken_tsv(root: Path, emoji_images) -> Path:
     Image.open(imgs / good[1][0]).convert("RGB").resize((256, 256)).save(buf, format="JPEG")
     (imgs / "cut.jpg").write_bytes(buf.getvalue()[: len(buf.getvalue()) * 7 // 10])  # the tail is missing
     Image.new("1", (9000, 9000)).save(imgs / "bomb.png")  # 81 Mpx, a few KB on disk
-    rows = [(good[i % len(good)][0], good[i % len(good)][1].encode()) for i in range(950)]
+    rows = [(good[i % len(good)][0], good[i % len(good)][1].encode()) for i in range(good_rows)]
     rows += [("nope.jpg", b"a missing file")] * 10 + [("zero.jpg", b"zero bytes")] * 10
     rows += [("text.jpg", b"not an image")] * 10 + [("cut.jpg", b"truncated")] * 10
     rows += [(good[0][0], b"  ")] * 4 + [(good[0][0], b"caf\xe9 latin-1")] * 3 + [("bomb.png", b"a bomb")] * 3
-    order = sorted(range(1000), key=lambda i: (i * 7919) % 1000)  # interleave the bad rows
+    n = len(rows)
+    order = sorted(range(n), key=lambda i: (i * 7919) % n)  # interleave the bad rows (7919: prime, > n)
     tsv = root / "captions.tsv"
     tsv.write_bytes(b"image\tcaption\n" + b"".join(f"imgs/{rows[i][0]}\t".encode() + rows[i][1] + b"\n"
                                                    for i in order))
@@ -193,19 +194,19 @@ def test_build_and_embed_on_two_ranks(tmp_path, emoji_images, demo_run):
 
     from conftest import ROOT, TEXT_MODEL
 
-    tsv = broken_tsv(tmp_path, emoji_images)
+    tsv = broken_tsv(tmp_path, emoji_images, good_rows=250)  # 6 shards of 50 rows, each rank its part
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
               str(ROOT / "configs/accelerate/cpu-2proc.yaml"), "-m", "data_tools"]
     out = tmp_path / "ranks"
-    for args in (["build", str(tsv), "--out", str(out), "--image-size", "32", "--shard-size", "200", "--workers", "1"],
+    for args in (["build", str(tsv), "--out", str(out), "--image-size", "32", "--shard-size", "50", "--workers", "1"],
                  ["embed", str(out), "--model", TEXT_MODEL, "--image-model", str(demo_run), "--augmentations", "2"]):
         r = subprocess.run(launch + args, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[:4000] + "\n...\n" + r.stderr[-1500:]
     single = tmp_path / "single"
-    build(str(tsv), single, image_size=32, shard_size=200, workers=1)
+    build(str(tsv), single, image_size=32, shard_size=50, workers=1)
     assert [c[1:] for c in shard_content(out)] == [c[1:] for c in shard_content(single)]  # embed left the tars
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["embedding"]["count"] == manifest["counts"]["samples"] == 950
+    assert manifest["embedding"]["count"] == manifest["counts"]["samples"] == 250
     assert run_main("data_tools", "verify", str(out), "--strict").returncode == 0
     # the sidecars 2 ranks wrote equal one process's (rows to fp16 rounding: other batches, other padding)
     import numpy as np
@@ -216,7 +217,7 @@ def test_build_and_embed_on_two_ranks(tmp_path, emoji_images, demo_run):
     ranks, one = (json.loads((d / "embeddings.json").read_text()) for d in (out, single))
     assert ranks.pop("shards").keys() != one.pop("shards").keys() and ranks == one  # names carry the folder's
     pairs = list(zip(sorted(out.glob("*.tar")), sorted(single.glob("*.tar"))))
-    assert len(pairs) == 5
+    assert len(pairs) == 6  # 300 rows (250 good) in shards of 50 rows
     for a, b in pairs:
         assert Path(f"{a}.keys.txt").read_text() == Path(f"{b}.keys.txt").read_text()
         np.testing.assert_allclose(np.load(f"{a}.emb.npy").astype(np.float32),
@@ -227,8 +228,8 @@ def test_build_and_embed_on_two_ranks(tmp_path, emoji_images, demo_run):
     embed_teachers(single, [str(demo_run)], augmentations=2)
     ranks, one = (json.loads((d / "teachers.json").read_text()) for d in (out, single))
     (tid, block), = ranks["teachers"].items()
-    assert ranks["augmentations"] == one["augmentations"] and len(block["shards"]) == 5
-    assert sum(r["count"] for r in block["shards"].values()) == 950
+    assert ranks["augmentations"] == one["augmentations"] and len(block["shards"]) == 6
+    assert sum(r["count"] for r in block["shards"].values()) == 250
     for a, b in pairs:
         assert np.array_equal(np.load(f"{a}{CROPS}"), np.load(f"{b}{CROPS}"))
         np.testing.assert_allclose(np.load(f"{a}{teacher_files(tid)[0]}").astype(np.float32),

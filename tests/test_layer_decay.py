@@ -13,7 +13,7 @@ from mmpretrain.train.layer_decay import layer_decay_groups
 from mmpretrain.train.layer_decay import no_decay_rule as _no_decay
 from mmpretrain.train.schedule import lr_at
 
-from conftest import setup_run
+from conftest import DEMO_TOWER, setup_run
 
 DECAY = 0.7
 
@@ -74,7 +74,7 @@ def test_open_clip_towers_get_the_reference_scales(arch, depth):
 def test_a_hugging_face_text_tower_and_a_locked_part(openmoji, tmp_path):
     """The demo's MiniLM text tower (encoder.layer.N), trained whole; then with the text tower locked:
     the image tower's rates do not move and nothing frozen is in a group."""
-    run = setup_run(openmoji / "train", tmp_path / "run", "model.lock_text=false", "model.text_from_targets=false",
+    run = setup_run(openmoji / "train", tmp_path / "run", *DEMO_TOWER, "model.lock_text=false", "model.text_from_targets=false",
                     "data.num_workers=0", "data.batch_size=16", "train.steps=2", f"optim.layer_decay={DECAY}")
     model = run.model.module if hasattr(run.model, "module") else run.model
     got, _ = scales_of(model)
@@ -93,7 +93,7 @@ def test_a_hugging_face_text_tower_and_a_locked_part(openmoji, tmp_path):
     for g in run.optimizer.param_groups:
         assert g["lr"] == pytest.approx(lr * g["lr_scale"], rel=1e-12)
 
-    locked = setup_run(openmoji / "train", tmp_path / "locked", "data.num_workers=0", "data.batch_size=16",
+    locked = setup_run(openmoji / "train", tmp_path / "locked", *DEMO_TOWER, "data.num_workers=0", "data.batch_size=16",
                        "train.steps=2", f"optim.layer_decay={DECAY}")  # the demo: text tower locked, proj trains
     lmodel = locked.model.module if hasattr(locked.model, "module") else locked.model
     lgot, _ = scales_of(lmodel)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from mmpretrain.models.lora import target_regex
 
-from conftest import DDP_RUN, launch, run_main, setup_run, train
+from conftest import DDP_RUN, MICRO, launch, run_main, setup_run, train
 
 # the tiny ViT with open_clip's text transformer, both towers trained through adapters
 TINY = ["model.arch=mmpt-tiny-vit", "model.lock_text=false", "model.text_from_targets=false",
@@ -109,7 +109,7 @@ def test_a_lora_run_resumes_exactly_and_exports_the_merged_model(openmoji, tmp_p
     from mmpretrain.train.run_setup import build_model
 
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs/demo.yaml",
-                      ["data.train=unused", *TINY[:4], LORA])
+                      ["data.train=unused", *TINY[:4], *MICRO, LORA])  # the tower train() trained
     unmerged = build_model(cfg, build_objective([{"name": "clip"}], rank=0, world_size=1, dataset_size=10,
                                                 index_size=10)).module
     unmerged.load_state_dict(a, strict=True)

@@ -199,7 +199,7 @@ def test_cc3m_path_through_the_real_img2dataset(openmoji, tmp_path):
              "--run", str(run), "--config", str(ROOT / "configs/tiny/soft_target.yaml"), "--accelerate-config", "none",
              "--image-size", "32", "--shard-size", "40", "--workers", "1", "--eval", str(openmoji), "--",
              "train.steps=3", "train.epochs=null", "data.batch_size=16", "data.num_workers=1", "data.shuffle_buffer=0",
-             "optim.warmup_steps=1", "train.progress=false", "train.log_with=[]"],
+             "optim.warmup_steps=1", "train.progress=false", "train.log_with=[]", "train.plots=false"],
             cwd=ROOT, capture_output=True, text=True, timeout=900,
             env={**os.environ, "PYTHON": sys.executable, "IMG2DATASET": str(IMG2DATASET)})
     finally:

@@ -11,7 +11,7 @@ import torch
 
 import mmpretrain
 
-from conftest import ROOT, TEXT_MODEL, run_main, setup_run, train
+from conftest import DEMO_TOWER, ROOT, TEXT_MODEL, run_main, setup_run, train
 
 
 def train_4_steps(openmoji: Path, run_dir: Path, *extra: str):
@@ -72,7 +72,7 @@ def test_trimmed_text_padding_is_the_same_function(arch):
 
 def test_slice_train_eval_export_reload(openmoji, tmp_path):
     run_dir = tmp_path / "run"
-    r = train_4_steps(openmoji, run_dir)
+    r = train_4_steps(openmoji, run_dir, "train.plots=true")  # the whole run folder, as a user gets it
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 4
     for name in ("config.yaml", "model_config.json", "provenance.json", "log.jsonl", "plots/loss.png",
@@ -155,7 +155,7 @@ def test_slice_train_eval_export_reload(openmoji, tmp_path):
 def test_slice_trainable_open_clip_text_tower(openmoji, tmp_path):
     run_dir = tmp_path / "run_text"
     # targets computed online by the frozen encoder instead of read from the shards
-    train_4_steps(openmoji, run_dir, "model.arch=mmpt-tiny-vit", "model.lock_text=false", "model.text_from_targets=false",
+    train_4_steps(openmoji, run_dir, *DEMO_TOWER, "model.arch=mmpt-tiny-vit", "model.lock_text=false", "model.text_from_targets=false",
           "targets.source=online")
     assert "targets: online" in (run_dir / "config.yaml").read_text()
     model, preprocess, tokenizer = mmpretrain.load(str(run_dir))

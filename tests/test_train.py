@@ -34,7 +34,7 @@ def _losses(run_dir):
 def test_resume_after_a_crash_equals_the_uninterrupted_run(openmoji, tmp_path):
     a = tmp_path / "a"
     evals = f"eval={{every: 3, datasets: [{openmoji}], tasks: [zeroshot_classification], num_workers: 0}}"
-    r = _train(openmoji, a, evals, "train.diagnostics_every=2")
+    r = _train(openmoji, a, evals, "train.diagnostics_every=2", "train.plots=true")
     assert r.returncode == 0, r.stderr[-3000:]
     # observability: diagnostics every 2 steps, evaluations at 3 and 6, plots, tensorboard events
     records = [json.loads(x) for x in (a / "log.jsonl").read_text().splitlines()]

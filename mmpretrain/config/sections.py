@@ -190,6 +190,8 @@ class TrainConfig(_Strict):
     save_every: int | None = Field(None, gt=0, description="checkpoint every K steps (always one at the end)")
     max_logit_scale: float = Field(100.0, gt=1.0, description="the scale is clamped to ln(this) after each step")
     progress: bool = Field(True, description="a progress bar on the main process")
+    plots: bool = Field(True, description="the end-of-run plots in the run's plots/ folder (loss, lr and scale, "
+                        "geometry, similarity; matplotlib, ~1.4 s at the end of a run on a 2-core CPU)")
     micro_batch_size: int | None = Field(None, gt=0, description="split each rank's batch into micro-batches of "
                                          "this size (memory); see micro_batch_mode")
     micro_batch_mode: Literal["grad_cache", "accumulate"] = Field(

@@ -140,7 +140,7 @@ def read_train_state(ckpt: Path) -> dict[str, Any]:
 
 
 # settings a resume may change: how long, how often to log/save/evaluate, where to write, kernels
-_RESUME_MAY_CHANGE = {"resume", "run_dir", "name", "train.steps", "train.epochs", "train.progress", "train.log_every",
+_RESUME_MAY_CHANGE = {"resume", "run_dir", "name", "train.steps", "train.epochs", "train.progress", "train.plots", "train.log_every",
                       "train.save_every", "train.keep_last", "train.nonfinite", "train.max_skipped_steps",
                       "train.log_with", "train.diagnostics_every", "optim.implementation", "data.worker_nice", "eval",
                       "hub"}

@@ -143,7 +143,7 @@ def fit(run: Run) -> dict[str, Any]:
             it.close()
     bar.close()
     ckpt = checkpoint(run)
-    if run.log is not None:
+    if run.log is not None and cfg.train.plots:
         plot_run(run.log.records, run.histograms, run.files.plots)
     summary = {"steps": st.step, "samples": st.samples, "seconds": round(time.time() - t0, 1),
                "final": rec, "checkpoint": str(ckpt)}

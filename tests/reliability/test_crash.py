@@ -19,7 +19,7 @@ from conftest import ROOT
 
 ARGS = ["train.steps=8", "train.epochs=null", "data.batch_size=16", "data.num_workers=2", "data.shuffle_buffer=32",
         "optim.warmup_steps=2", "train.log_every=1", "train.save_every=2", "train.keep_last=2",
-        "train.progress=false", "train.log_with=[]"]
+        "train.progress=false", "train.log_with=[]", "train.plots=false"]
 
 
 def _cmd(openmoji, run_dir):

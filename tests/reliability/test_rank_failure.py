@@ -38,7 +38,7 @@ def test_a_dead_rank_stops_the_run_with_an_error(openmoji, tmp_path):
            str(ROOT / "configs/accelerate/cpu-2proc.yaml"), "-m", "mmpretrain.train", "--config",
            str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}", f"run_dir={run_dir}",
            "train.steps=500", "train.epochs=null", "data.batch_size=8", "data.num_workers=1", "train.save_every=2",
-           "optim.warmup_steps=1", "train.progress=false", "train.log_with=[]"]
+           "optim.warmup_steps=1", "train.progress=false", "train.log_with=[]", "train.plots=false"]
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
     try:

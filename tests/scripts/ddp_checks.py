@@ -46,7 +46,7 @@ def config(data: str, run_dir: Path, *extra: str):
     return load_config(ROOT / "configs/demo.yaml", [
         f"data.train={data}", f"run_dir={run_dir}", "train.steps=3", "train.epochs=null", "data.batch_size=8",
         "data.num_workers=0", "data.shuffle_buffer=0", "optim.warmup_steps=1", "train.log_every=1",
-        "train.progress=false", "train.log_with=[]", *extra])
+        "train.progress=false", "train.log_with=[]", "train.plots=false", *extra])
 
 
 def unused(data: str, out_dir: Path, report: dict) -> bool:
