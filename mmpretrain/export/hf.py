@@ -177,9 +177,8 @@ def save_transformers(clip, model_cfg: dict, preprocess_cfg: dict, out: Path, to
     if towers == "both":
         from transformers import CLIPProcessor, CLIPTokenizer
 
-        from mmpretrain.models.factory import (
-            CONTEXT_LENGTH,  # open_clip: not imported for the export's --help
-        )
+        # here, not at the top: the factory imports open_clip, which the export's --help does without
+        from mmpretrain.models.factory import CONTEXT_LENGTH
 
         write_clip_tokenizer(out, model_cfg["text_cfg"].get("context_length", CONTEXT_LENGTH))
         CLIPProcessor(image_processor=image_processor, tokenizer=CLIPTokenizer.from_pretrained(str(out))

@@ -109,17 +109,18 @@ class Objective(nn.Module):
         """Drop the state update the last forward proposed (the step was skipped)."""
 
 
-def check_needs(needs, name: str) -> frozenset[str]:
-    """``needs`` as a frozenset, every name one of :data:`NEEDS` (a misspelt need fails where it is declared)."""
-    if isinstance(needs, property):  # computed per instance (a wrapper's needs are its terms')
-        return needs
-    unknown = sorted(set(needs) - NEEDS.keys())
+def check_needs(needs, name: str) -> None:
+    """Every name in ``needs`` one of :data:`NEEDS`: a misspelt need fails where it is declared (a wrapper's
+    needs, a property computed from its terms, are checked where those are)."""
+    unknown = sorted(set(class_needs_of(needs)) - NEEDS.keys())
     if unknown:
         raise TypeError(f"{name}: unknown need(s) {unknown}; declare names from losses.base.NEEDS: {sorted(NEEDS)}")
-    return frozenset(needs)
 
 
 def class_needs(cls) -> frozenset[str]:
     """What a class declares before it is built (a wrapper's needs, known once built, count as none here)."""
-    needs = getattr(cls, "needs", frozenset())
-    return frozenset() if isinstance(needs, property) else needs
+    return class_needs_of(getattr(cls, "needs", frozenset()))
+
+
+def class_needs_of(needs) -> frozenset[str]:
+    return frozenset() if isinstance(needs, property) else frozenset(needs)
