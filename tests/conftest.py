@@ -264,13 +264,18 @@ def ddp_checks(openmoji, tmp_path_factory) -> dict:
 
     out = tmp_path_factory.mktemp("ddp_checks")
     run_dir = out / "run"
-    bad = {kind: ["--config", str(CONFIG), f"data.train={damaged(openmoji, out / kind, kind)}",
-                  f"run_dir={out / ('run_' + kind)}", *BAD_SHARD_RUN, "data.num_workers=2"] for kind in ("html", "sidecar")}
+    runs = [{"name": f"bad_{kind}", "args": ["--config", str(CONFIG), f"data.train={damaged(openmoji, out / kind, kind)}",
+                                            f"run_dir={out / ('run_' + kind)}", *BAD_SHARD_RUN, "data.num_workers=2"]}
+            for kind in ("html", "sidecar")]
+    runs.append({"name": "lora", "args": ["--config", str(CONFIG), f"data.train={openmoji / 'train'}",
+                                          f"run_dir={out / 'run_lora'}", "train.progress=false", "train.log_with=[]",
+                                          "train.plots=false", *DDP_RUN, "train.steps=2", "train.save_every=null",
+                                          "model.lora={towers: [image]}"]})
     plan = {"train": ["--config", str(CONFIG), f"data.train={openmoji / 'train'}", f"run_dir={run_dir}",
-                      "train.progress=false", "train.log_with=[]", "train.plots=false", *DDP_RUN], "bad_shards": bad,
+                      "train.progress=false", "train.log_with=[]", "train.plots=false", *DDP_RUN], "runs": runs,
             "eval": ["--model", str(run_dir), *(a.format(data=openmoji) for a in DDP_EVAL), "--output",
                      str(out / "eval.json")],
-            "checks": ["unused", "masks", "steps", "nonfinite"], "data": str(openmoji / "train"), "runs": str(out / "runs"),
+            "checks": ["unused", "masks", "steps", "nonfinite"], "data": str(openmoji / "train"), "work": str(out / "checks"),
             "report": str(out / "report.json")}
     (out / "plan.json").write_text(json.dumps(plan))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -280,7 +285,8 @@ def ddp_checks(openmoji, tmp_path_factory) -> dict:
     assert r.returncode == 0, r.stderr[-4000:]
     report = json.loads((out / "report.json").read_text())
     assert report.get("train_exit") == 0 and report.get("eval_exit") == 0, (report, r.stderr[-4000:])
-    return {**report, "run_dir": run_dir, "eval_output": out / "eval.json", "stdout": r.stdout}
+    return {**report, "run_dir": run_dir, "eval_output": out / "eval.json", "stdout": r.stdout,
+            "run_dirs": {name: out / f"run_{name.removeprefix('bad_')}" for name in report.get("runs", {})}}
 
 
 @pytest.fixture(scope="session")

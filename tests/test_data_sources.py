@@ -195,13 +195,19 @@ def test_build_and_embed_on_two_ranks(tmp_path, emoji_images, demo_run):
     from conftest import ROOT, TEXT_MODEL
 
     tsv = broken_tsv(tmp_path, emoji_images, good_rows=250)  # 6 shards of 50 rows, each rank its part
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-              str(ROOT / "configs/accelerate/cpu-2proc.yaml"), "-m", "data_tools"]
     out = tmp_path / "ranks"
-    for args in (["build", str(tsv), "--out", str(out), "--image-size", "32", "--shard-size", "50", "--workers", "1"],
-                 ["embed", str(out), "--model", TEXT_MODEL, "--image-model", str(demo_run), "--augmentations", "2"]):
-        r = subprocess.run(launch + args, cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[:4000] + "\n...\n" + r.stderr[-1500:]
+    # `python -m data_tools build` then `embed` on 2 ranks, in one launch (tests/scripts/ddp_checks.py's runs)
+    runs = [{"name": "build", "module": "data_tools", "args": ["build", str(tsv), "--out", str(out), "--image-size",
+                                                                "32", "--shard-size", "50", "--workers", "1"]},
+            {"name": "embed", "module": "data_tools", "args": ["embed", str(out), "--model", TEXT_MODEL, "--image-model",
+                                                                str(demo_run), "--augmentations", "2"]}]
+    (tmp_path / "plan.json").write_text(json.dumps({"runs": runs, "report": str(tmp_path / "report.json")}))
+    r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                        str(ROOT / "configs/accelerate/cpu-2proc.yaml"), str(ROOT / "tests/scripts/ddp_checks.py"),
+                        str(tmp_path / "plan.json")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[:4000] + "\n...\n" + r.stderr[-1500:]
+    report = json.loads((tmp_path / "report.json").read_text())["runs"]
+    assert [report[n]["exit"] for n in ("build", "embed")] == [0, 0], report
     single = tmp_path / "single"
     build(str(tsv), single, image_size=32, shard_size=50, workers=1)
     assert [c[1:] for c in shard_content(out)] == [c[1:] for c in shard_content(single)]  # embed left the tars

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,23 +71,56 @@ def check_engine_run(ddp: Path, run_dir: Path, resumed: Path, rel: float = 1e-5)
     assert all(torch.equal(wr[k], we[k]) for k in we)
 
 
+def run_args(openmoji: Path, run_dir: Path, *overrides: str) -> list[str]:
+    """``python -m mmpretrain.train``'s arguments of :func:`launch`'s run."""
+    return ["--config", str(conftest.CONFIG), f"data.train={openmoji / 'train'}", f"run_dir={run_dir}",
+            "train.progress=false", "train.log_with=[]", "train.plots=false", *DDP_RUN, *overrides]
+
+
+BF16_ENV = {"ACCELERATE_MIXED_PRECISION": "bf16"}  # what `accelerate launch --mixed_precision bf16` sets
+
+
 @pytest.fixture(scope="module")
-def fsdp(openmoji, tmp_path_factory) -> Path:
-    """The shipped fsdp.yaml's 6 steps, evaluated at the last (every test here reads, none writes)."""
-    run_dir = tmp_path_factory.mktemp("engines") / "fsdp"
+def fsdp_runs(openmoji, ddp, tmp_path_factory) -> dict:
+    """One launch of the shipped fsdp.yaml (FSDP1, FULL_SHARD, use_orig_params, full state dict) on 2
+    ranks running five trainer runs in order (tests/scripts/ddp_checks.py's ``runs``; each launch of its
+    own cost ~12 s of start-up): ``fsdp``, 6 steps evaluated at the last; ``fsdp_resumed`` from its step 3;
+    ``bf16`` (FSDP's MixedPrecision: mixed_precision bf16, train.precision=bf16) and ``bf16_resumed``
+    from its step 3; ``cross``, DDP's step-3 checkpoint resumed under FSDP. Returns the report's runs,
+    each with its ``dir``."""
+    out = tmp_path_factory.mktemp("engines")
     evals = f"eval={{every: {STEPS}, datasets: [{openmoji}], tasks: [zeroshot_classification], num_workers: 0}}"
-    launch(openmoji, run_dir, "fsdp", FSDP, evals)
-    return run_dir
+    plan = [("fsdp", {}, [evals]), ("fsdp_resumed", {}, [f"resume={out / 'fsdp/checkpoints/step_00000003'}"]),
+            ("bf16", BF16_ENV, ["train.precision=bf16"]),
+            ("bf16_resumed", BF16_ENV, ["train.precision=bf16", f"resume={out / 'bf16/checkpoints/step_00000003'}"]),
+            ("cross", {}, [f"resume={ddp / 'checkpoints/step_00000003'}"])]
+    runs = [{"name": name, "env": env, "args": run_args(openmoji, out / name, *extra)} for name, env, extra in plan]
+    (out / "plan.json").write_text(json.dumps({"runs": runs, "report": str(out / "report.json")}))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs/accelerate/fsdp.yaml"), "--num_processes", "2", *FSDP, WRAPPER,
+           str(ROOT / "tests/scripts/ddp_checks.py"), str(out / "plan.json")]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    report = json.loads((out / "report.json").read_text())["runs"]
+    for name, got in report.items():
+        assert got["exit"] == 0 or name == "cross", (name, got["stderr"])  # cross: refused (its test)
+        got["dir"] = out / name
+    return report
 
 
-def test_fsdp_trains_as_ddp_resumes_exactly_and_exports(openmoji, ddp, fsdp, tmp_path):
+@pytest.fixture(scope="module")
+def fsdp(fsdp_runs) -> Path:
+    """The shipped fsdp.yaml's 6 steps, evaluated at the last (every test here reads, none writes)."""
+    return fsdp_runs["fsdp"]["dir"]
+
+
+def test_fsdp_trains_as_ddp_resumes_exactly_and_exports(ddp, fsdp, fsdp_runs, tmp_path):
     """The shipped fsdp.yaml (FSDP1, use_orig_params, full state dict): logit scale and bias built as
     1-element vectors (FSDP1 refuses 0-dim parameters), the gathered model.safetensors beside
     accelerate's pytorch_model_fsdp.bin."""
-    run_dir, resumed = fsdp, tmp_path / "resumed"
+    run_dir, resumed = fsdp, fsdp_runs["fsdp_resumed"]["dir"]
     ckpt = run_dir / f"checkpoints/step_{STEPS:08d}"
     assert {"pytorch_model_fsdp.bin", "optimizer.bin", "model.safetensors"} <= {p.name for p in ckpt.iterdir()}
-    launch(openmoji, resumed, "fsdp", FSDP, f"resume={run_dir / 'checkpoints/step_00000003'}")
     check_engine_run(ddp, run_dir, resumed)
 
     # the export holds the trained weights, with open_clip's 0-dim logit scale
@@ -99,22 +133,16 @@ def test_fsdp_trains_as_ddp_resumes_exactly_and_exports(openmoji, ddp, fsdp, tmp
     assert exported.keys() == clip.keys() and all(torch.equal(exported[k], v) for k, v in clip.items())
 
 
-BF16 = ["--fsdp_sync_module_states", "false", "--fsdp_sharding_strategy", "FULL_SHARD", "--mixed_precision", "bf16"]
-
-
 @pytest.fixture(scope="module")
-def bf16(openmoji, tmp_path_factory) -> Path:
+def bf16(fsdp_runs) -> Path:
     """What configs/accelerate/fsdp.yaml runs on GPUs, 6 steps: FSDP1, FULL_SHARD over 2 ranks, bf16 through
     FSDP's MixedPrecision (mixed_precision: bf16, train.precision=bf16)."""
-    run_dir = tmp_path_factory.mktemp("engines") / "bf16"
-    launch(openmoji, run_dir, "fsdp", BF16, "train.precision=bf16")
-    return run_dir
+    return fsdp_runs["bf16"]["dir"]
 
 
 def test_fsdp1_bf16_full_shard_trains_and_exports(ddp, bf16, tmp_path):
     """It trains as fp32 DDP does to bf16's precision, its checkpoint holds fp32 master weights, and the
-    export holds what it trained. (FSDP's resume is bit-identical in the fp32 test above, the same
-    FULL_SHARD state dict; under bf16 in the slow test below.)"""
+    export holds what it trained."""
     b, a = losses(bf16), losses(ddp)
     assert sorted(b) == list(range(1, STEPS + 1))
     assert all(b[s] == pytest.approx(a[s], rel=0.03) for s in b)  # bf16 against DDP's fp32
@@ -128,24 +156,21 @@ def test_fsdp1_bf16_full_shard_trains_and_exports(ddp, bf16, tmp_path):
     assert all(torch.equal(exported[k.removeprefix("clip.")], v) for k, v in w.items() if k.startswith("clip."))
 
 
-@pytest.mark.slow  # one more launch (~25 s): make test-slow
-def test_fsdp1_bf16_resumes_exactly(openmoji, bf16, tmp_path):
+def test_fsdp1_bf16_resumes_exactly(bf16, fsdp_runs):
     """A resume from step 3 under bf16 continues bit for bit, losses and weights."""
-    resumed = tmp_path / "resumed"
-    launch(openmoji, resumed, "fsdp", BF16, "train.precision=bf16", f"resume={bf16 / 'checkpoints/step_00000003'}")
+    resumed = fsdp_runs["bf16_resumed"]["dir"]
     b, c = losses(bf16), losses(resumed)
     assert [c[s] for s in range(4, STEPS + 1)] == [b[s] for s in range(4, STEPS + 1)]
     w, wr = weights(bf16), weights(resumed)
     assert all(torch.equal(wr[k], w[k]) for k in w)
 
 
-@pytest.mark.slow  # ~25 s more on top of the FSDP run: make test-slow
-def test_fsdp_evaluates_full_weights_and_refuses_another_engines_checkpoint(openmoji, ddp, fsdp, tmp_path):
+def test_fsdp_evaluates_full_weights_and_refuses_another_engines_checkpoint(openmoji, fsdp, fsdp_runs, tmp_path):
     """Evaluation inside summon_full_params during training = the CLI's on the checkpoint; a DDP
     checkpoint resumed under FSDP is refused before any work (accelerate would fail inside load_state)."""
-    r = launch(openmoji, tmp_path / "cross", "fsdp", FSDP, f"resume={ddp / 'checkpoints/step_00000003'}", check=False)
-    assert r.returncode != 0 and "was written under DDP, this launch uses FSDP" in r.stderr, r.stderr[-2000:]
-    assert "model.pretrained=" in r.stderr and not (tmp_path / "cross").exists()
+    cross = fsdp_runs["cross"]
+    assert cross["exit"] != 0 and "was written under DDP, this launch uses FSDP" in cross["stderr"], cross["stderr"]
+    assert "model.pretrained=" in cross["stderr"] and not cross["dir"].exists()
 
     during = json.loads((fsdp / "results.json").read_text())["results"][0]
     out = tmp_path / "after.json"

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from mmpretrain.models.lora import target_regex
 
-from conftest import DDP_RUN, MICRO, launch, run_main, setup_run, train
+from conftest import MICRO, run_main, setup_run, train
 
 # the tiny ViT with open_clip's text transformer, both towers trained through adapters
 TINY = ["model.arch=mmpt-tiny-vit", "model.lock_text=false", "model.text_from_targets=false",
@@ -148,12 +148,11 @@ def test_a_lora_run_resumes_exactly_and_exports_the_merged_model(openmoji, tmp_p
     assert plain.keys() == avg.keys() and not all(torch.equal(plain[k], avg[k]) for k in plain)
 
 
-@pytest.mark.integration  # starts processes
-def test_lora_trains_on_two_gloo_ranks(openmoji, tmp_path):
-    r = launch(tmp_path / "ddp", openmoji / "train", *DDP_RUN, "train.steps=2", "train.save_every=null",
-               "model.lora={towers: [image]}")
-    assert r.returncode == 0, r.stderr[-4000:]
-    w = load_file(tmp_path / "ddp/checkpoints/step_00000002/model.safetensors")
+def test_lora_trains_on_two_gloo_ranks(ddp_checks):
+    """2 steps on 2 ranks under accelerate launch (a run of the ddp_checks launch, tests/scripts/ddp_checks.py)."""
+    got = ddp_checks["runs"]["lora"]
+    assert got["exit"] == 0, got["stderr"]
+    w = load_file(ddp_checks["run_dirs"]["lora"] / "checkpoints/step_00000002/model.safetensors")
     assert any(".lora_B." in k and float(v.abs().sum()) > 0 for k, v in w.items())
 
 

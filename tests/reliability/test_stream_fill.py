@@ -120,7 +120,7 @@ def test_the_cli_trains_its_epoch_with_the_bad_shard_counted(openmoji, tmp_path,
 def test_two_ranks_of_two_workers_train_their_epoch(ddp_checks, kind):
     """The same epoch under accelerate launch, 2 ranks x 2 workers (tests/scripts/ddp_checks.py): 5 steps
     of 2 x 20, the bad shard's 50 counted once over both ranks."""
-    got = ddp_checks[f"bad_{kind}"]
+    got = ddp_checks["runs"][f"bad_{kind}"]
     assert got["exit"] == 0, got
     reason = "unreadable_shard" if kind == "html" else "missing_embedding"
     assert got["last"]["step"] == 5 and got["last"]["skipped"][reason] == 50, got

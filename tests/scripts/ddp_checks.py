@@ -19,9 +19,13 @@ start-up and imports on 2 cores. argv[1]: a JSON plan, in the order run:
   - ``nonfinite`` (``nonfinite``): the loss non-finite on rank 1 only, at step 2 of 4, with
     train.nonfinite=skip and a log every 2 steps: both ranks skip it on the device (the flag is
     all-reduced), count it at the log step, and end with the same weights.
-- ``bad_shards``: ``{name: [train arguments]}``, each run through the trainer's ``main`` like ``train``
-  (4 shards, one damaged: tests/reliability/test_stream_fill.py); ``bad_<name>``: its exit status and
-  its last log record.
+- ``runs``: ``[{"name", "args", "module"?, "env"?}]``, each ``python -m MODULE``'s arguments (default
+  ``mmpretrain.train``; ``data_tools``: tests/test_data_sources.py) run through its ``cli.main``, in order, with ``env`` set for that run only (what ``accelerate launch``
+  would set, e.g. ``ACCELERATE_MIXED_PRECISION``; accelerate's state is rebuilt for each run). Under
+  ``runs`` in the report, by name: its exit status, its last log record, what it wrote to stderr and its seconds.
+  Several runs in one launch save ~10 s of process start-up each: the damaged shards of
+  tests/reliability/test_stream_fill.py, LoRA (tests/test_lora.py), and under
+  tests/scripts/gpu_engine_on_cpu.py the FSDP runs of tests/test_engines.py.
 
 The main process writes the report (JSON) to the plan's ``report``.
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -103,6 +108,40 @@ def nonfinite(data: str, out_dir: Path, report: dict) -> None:
                            "finite_weights": all(c[1] == c[1] for c in counts), "on_device": [c[2] for c in counts]}
 
 
+def run(spec: dict) -> dict:
+    """One command of the plan's ``runs``: its exit status, last log record (a trainer's), stderr, seconds."""
+    import contextlib
+    import importlib
+    import io
+    import os
+
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.utils import DistributedType
+
+    command = importlib.import_module(f"{spec.get('module', 'mmpretrain.train')}.cli").main
+    saved = {k: os.environ.get(k) for k in spec.get("env", {})}
+    os.environ.update(spec.get("env", {}))
+    # the next Accelerator reads the env afresh; accelerate wrote the engine's type (FSDP) into the process
+    # state, where a fresh launch holds the backend's (the GPU one under gpu_engine_on_cpu.py)
+    AcceleratorState._reset_state(reset_partial_state=False)
+    if PartialState._shared_state.get("distributed_type") in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+    GradientState._reset_state()
+    err, start = io.StringIO(), time.perf_counter()
+    try:
+        with contextlib.redirect_stderr(err):
+            code = command(spec["args"])
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        sys.stderr.write(err.getvalue())
+    run_dir = next((a.split("=", 1)[1] for a in spec["args"] if a.startswith("run_dir=")), None)
+    log = Path(run_dir or ".") / "log.jsonl"
+    lines = log.read_text().splitlines() if code == 0 and run_dir and log.is_file() else []
+    return {"exit": code, "last": json.loads(lines[-1]) if lines else None, "stderr": err.getvalue()[-4000:],
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
 def main(plan_path: str) -> None:
     from accelerate import PartialState
 
@@ -123,7 +162,7 @@ def main(plan_path: str) -> None:
 
         report["eval_exit"] = evaluate(plan["eval"])
         ok = report["eval_exit"] == 0
-    checks, data, out_dir = plan.get("checks", []), plan.get("data"), Path(plan.get("runs", "."))
+    checks, data, out_dir = plan.get("checks", []), plan.get("data"), Path(plan.get("work", "."))
     if ok and "unused" in checks:
         ok = unused(data, out_dir, report)
     if ok and "masks" in checks:
@@ -134,14 +173,8 @@ def main(plan_path: str) -> None:
         report["steps"] = steps(None, "default")
     if ok and "nonfinite" in checks:
         nonfinite(data, out_dir, report)
-    if ok and plan.get("bad_shards"):
-        from mmpretrain.train.cli import main as train
-
-        for name, args in plan["bad_shards"].items():
-            code = train(args)
-            run_dir = next(a.split("=", 1)[1] for a in args if a.startswith("run_dir="))
-            lines = (Path(run_dir) / "log.jsonl").read_text().splitlines() if code == 0 else []
-            report[f"bad_{name}"] = {"exit": code, "last": json.loads(lines[-1]) if lines else None}
+    if ok and plan.get("runs"):
+        report["runs"] = {spec["name"]: run(spec) for spec in plan["runs"]}
     if PartialState().is_main_process:
         Path(plan["report"]).write_text(json.dumps(report))
     destroy(PartialState())

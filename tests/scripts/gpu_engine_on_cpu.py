@@ -12,6 +12,8 @@ GPUs, driving this project's trainer unchanged.
     accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes 2 \
         --fsdp_sync_module_states false tests/scripts/gpu_engine_on_cpu.py mmpretrain.train --config ...
 
+or, for several runs in one launch, ``tests/scripts/ddp_checks.py PLAN`` instead of the module.
+
 (``fsdp_sync_module_states`` broadcasts from a CUDA device; every rank builds the same seeded
 weights here anyway.) Used by tests/test_engines.py.
 """
@@ -60,8 +62,11 @@ def main() -> None:
     import mmpretrain.train.engine as engine
 
     engine.on_cpu = lambda: False  # the trainer asks accelerate for its GPU path
-    module, sys.argv = sys.argv[1], [sys.argv[1], *sys.argv[2:]]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    target, sys.argv = sys.argv[1], [sys.argv[1], *sys.argv[2:]]
+    if target.endswith(".py"):  # a script of several runs (tests/scripts/ddp_checks.py), by path
+        runpy.run_path(target, run_name="__main__")
+    else:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":
