@@ -1,4 +1,4 @@
-"""The run folder's format, in one place (docs/usage.md, the run folder).
+"""The run folder's format, in one place (docs/usage.md, training: the run folder).
 
 ``RUN/config.yaml`` (resolved config), ``model_config.json`` (open_clip ``model_cfg`` +
 ``preprocess_cfg``: the architecture as trained), ``provenance.json`` (git SHA, packages, command,

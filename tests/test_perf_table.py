@@ -1,5 +1,5 @@
 """The generated tables of the docs equal what their generators print: docs/performance.md from bench_results/*.json
-(scripts/reports/perf_table.py), docs/usage.md's config keys from the config's sections (config_table.py), the
+(scripts/reports/perf_table.py), docs/config.md's config keys from the config's sections (config_table.py), the
 README's demo table from the recorded make demo run (demo_table.py)."""
 
 import subprocess
@@ -27,8 +27,8 @@ def test_performance_table_matches_the_bench_results():
 
 @pytest.mark.integration  # starts processes (or builds real data): not in make test-unit
 def test_usage_config_table_lists_every_key():
-    table, block = _generated("config_table.py", "usage.md", "config-table")
-    assert block == table, "docs/usage.md's config table is stale: run python scripts/reports/config_table.py --write"
+    table, block = _generated("config_table.py", "config.md", "config-table")
+    assert block == table, "docs/config.md's config table is stale: run python scripts/reports/config_table.py --write"
     from mmpretrain.config import config_defaults
 
     listed = {line.split("`")[1] for line in table.splitlines()[2:]}

@@ -1,5 +1,5 @@
 """Every config key with its type, default and description, read off the sections' pydantic models: the
-table in docs/usage.md is generated from here (``python scripts/reports/config_table.py --write``; a
+table in docs/config.md is generated from here (``python scripts/reports/config_table.py --write``; a
 test keeps it equal), so the reference cannot drift from what the config accepts."""
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ class DataConfig(_Strict):
                                    "`embed --image-model` (teachers.json) are read from the same folder")
     keep: str | None = Field(None, description="keep-list folder(s) written by `data_tools filter`, one per '::' "
                              "source of data.train (an empty part keeps all of that source): only the listed samples "
-                             "are read, an epoch is the kept count, sample indices stay the shards' (docs/usage.md)")
+                             "are read, an epoch is the kept count, sample indices stay the shards' (docs/data.md)")
     weights: list[float] | None = Field(None, description="resampled mode: one sampling weight per '::' source")
     num_samples: int | None = Field(None, gt=0, description="resampled mode: samples per epoch (default: the "
                                     "dataset's size); epoch mode: leave unset, an epoch is the whole dataset")
@@ -51,7 +51,7 @@ class DataConfig(_Strict):
     decode: Literal["worker", "device"] = Field(
         "worker", description="worker: the loader workers decode, crop and resize every image; device: they draw "
         "the crop box and pass the JPEG's bytes, which the training device decodes in batches (nvJPEG on CUDA), "
-        "crops and resizes, for GPUs the workers' cores cannot feed (docs/usage.md); needs the plain crop of "
+        "crops and resizes, for GPUs the workers' cores cannot feed (docs/config.md); needs the plain crop of "
         "data.aug_cfg (scale alone); PNG, WebP and JPEGs nvJPEG cannot take stay with the workers")
     max_pixels: int = Field(64_000_000, gt=0, description="images with more pixels (after JPEG draft scaling) are "
                             "skipped as too_many_pixels before decoding, as data_tools build --max-pixels")

@@ -209,7 +209,7 @@ class DeviceDecoder:
         raises is split in halves until each culprit is alone (log2 of the chunk calls per bad image)."""
         import torchvision.io as tio
 
-        with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders for TorchCodec's (docs/usage.md)
+        with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders for TorchCodec's (docs/config.md)
             warnings.simplefilter("ignore", DeprecationWarning)
             try:
                 return list(tio.decode_jpeg(blobs, mode=tio.ImageReadMode.RGB, device=self.device))
