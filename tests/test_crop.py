@@ -36,7 +36,7 @@ REF_DRAWS = 10_000  # torchvision's get_params: ~10x our sampler's time per draw
 ALPHA = 1e-3 / (3 * len(ASPECTS) * 4)
 
 
-@functools.lru_cache(maxsize=None)  # the mutant tests reuse the distribution tests' draws
+@functools.cache  # the mutant tests reuse the distribution tests' draws
 def reference(width: int, height: int, scale, ratio, n: int) -> list[Box]:
     torch.manual_seed(0)
     img = Image.new("L", (width, height))

@@ -13,14 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from data_copies import in_tar_copy
 
 from mmpretrain.data.decode import SampleDecoder
 from mmpretrain.data.plan import StreamPlan
 from mmpretrain.data.sidecar import attach_embeddings
 from mmpretrain.data.sources import resolve_sources
 from mmpretrain.data.stream import StreamPosition, TrainStream, make_loader
-
-from conftest import in_tar_copy
 
 R, W, B = 2, 2, 8
 

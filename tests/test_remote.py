@@ -11,13 +11,14 @@ import socket
 from collections import Counter
 
 import pytest
+from data_copies import extract_images
 from remote_servers import FAKE_AWS, FaultProxy, RangeHTTPServer, moto_s3
 
 from mmpretrain.config import ConfigError, RemoteConfig, load_config
 from mmpretrain.data import urls
 from mmpretrain.data.tar import read_tar
 
-from conftest import ROOT, extract_images
+from conftest import ROOT
 
 FAULTS = {"none": (None, {}), "drop": ("drop", {"after": 20_000, "times": 3}), "503": ("503", {"times": 2}),
           "stall": ("stall", {"after": 10_000, "times": 2, "stall": 2.0})}

@@ -114,7 +114,7 @@ def test_tampered_sidecars_are_counted_not_a_crash(openmoji, tmp_path, caplog):
 
 
 def test_in_tar_embeddings_still_train(openmoji, tmp_path):
-    from conftest import in_tar_copy
+    from data_copies import in_tar_copy
 
     data = in_tar_copy(openmoji / "train", tmp_path / "train")
     assert not list(data.glob("*.emb.npy"))

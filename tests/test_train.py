@@ -187,7 +187,7 @@ def test_pretrain_cc3m_script_on_a_local_tsv(openmoji, tmp_path):
     import subprocess
     import sys
 
-    from conftest import extract_images
+    from data_copies import extract_images
 
     rows = ["caption\timage"] + [f"{caption}\timages/{name}"
                                   for caption, name in extract_images(openmoji, 2, tmp_path / "images")]

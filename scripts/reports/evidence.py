@@ -87,69 +87,14 @@ def by_variant(cells: dict, batch: int) -> dict[str, list[dict]]:
     return out
 
 
+def _claims(group: str) -> list[tuple]:
+    """The claims of claims.json's ``group``, as tuples in its field order (a pair of keys as a tuple)."""
+    rows = json.loads((Path(__file__).with_name("claims.json")).read_text())[group]
+    return [tuple(tuple(v) if isinstance(v, list) else v for v in row.values()) for row in rows]
+
+
 # (claim, variant, baseline, source, key, direction): baseline None compares two keys of the same cells
-CLAIMS = [
-    ("soft targets (X-CLR) raise held-out zero-shot accuracy over CLIP", "clip_soft_1.0", "clip", "metrics",
-     "heldout/acc1", +1),
-    ("soft targets at half weight", "clip_soft_0.5", "clip", "metrics", "heldout/acc1", +1),
-    # self-assigned targets (resa, ReSA): the image tower's own Sinkhorn assignment, no frozen model
-    ("self-assigned targets (resa, online) raise held-out clustering (ARI) over CLIP", "clip_resa", "clip", "metrics",
-     "heldout/ari", +1),
-    ("self-assigned targets (resa, momentum) raise held-out clustering (ARI) over CLIP", "clip_resa_ema", "clip",
-     "metrics", "heldout/ari", +1),
-    ("self-assigned targets (resa, momentum) raise the held-out linear probe over CLIP", "clip_resa_ema", "clip",
-     "metrics", "heldout/lp_acc1", +1),
-    ("self-assigned targets (resa, momentum) raise held-out zero-shot accuracy over CLIP", "clip_resa_ema", "clip",
-     "metrics", "heldout/acc1", +1),
-    ("self-assigned targets (momentum) cluster as well as frozen-text ones (ARI vs X-CLR at the same weight)",
-     "clip_resa_ema", "clip_soft_0.5", "metrics", "heldout/ari", +1),
-    ("under resa, pre-projection encodings cluster better than the embeddings (ARI)", "clip_resa_ema", None,
-     "metrics", ("heldout/ari_preproj", "heldout/ari"), +1),
-    ("CWCL raises held-out zero-shot accuracy over CLIP", "cwcl", "clip", "metrics", "heldout/acc1", +1),
-    ("VRN lowers the variance of negative similarities", "clip_vrn", "clip", "geometry", "neg_sim_var", -1),
-    # the share of negative pairs below -1/(B-1) (geometry/excessive_separation is only its 0/1 flag on the mean)
-    ("within-view negatives reduce excessive separation", "sigmoid_wvn", "sigmoid", "geometry",
-     "below_separation_fraction", -1),
-    ("within-view negatives raise sigmoid's held-out zero-shot accuracy", "sigmoid_wvn", "sigmoid", "metrics",
-     "heldout/acc1", +1),
-    ("region weighting (image space) raises region purity: held-out ARI vs CLIP", "regions_image", "clip", "metrics",
-     "heldout/ari", +1),
-    ("region weighting (target space) raises region purity: held-out ARI vs CLIP", "regions_target", "clip",
-     "metrics", "heldout/ari", +1),
-    ("pre-projection features cluster better than projected ones (CLIP, ARI)", "clip", None, "metrics",
-     ("heldout/ari_preproj", "heldout/ari"), +1),
-    ("FastCLIP-v3 (global_clip) raises held-out zero-shot accuracy over CLIP", "global_clip", "clip", "metrics",
-     "heldout/acc1", +1),
-    # where many in-batch negatives are partly positive (graded neighbours), retrieval and a second style
-    ("soft targets (X-CLR) raise held-out retrieval over CLIP", "clip_soft_1.0", "clip", "metrics",
-     "retrieval/image_retrieval_recall@5", +1),
-    ("CWCL raises held-out retrieval over CLIP", "cwcl", "clip", "metrics", "retrieval/image_retrieval_recall@5", +1),
-    ("soft targets (X-CLR) raise zero-shot accuracy in another drawing style", "clip_soft_1.0", "clip", "metrics",
-     "cross_style/acc1", +1),
-    ("CWCL raises zero-shot accuracy in another drawing style", "cwcl", "clip", "metrics", "cross_style/acc1", +1),
-    # distillation from a teacher trained here on the training split (its rows stored beside the shards)
-    ("distillation (clip + distill) raises held-out zero-shot accuracy over CLIP", "clip_distill", "clip", "metrics",
-     "heldout/acc1", +1),
-    ("distillation alone (DataCompDR's weights) raises held-out zero-shot accuracy over CLIP", "distill", "clip",
-     "metrics", "heldout/acc1", +1),
-    ("distillation (clip + distill) raises held-out retrieval over CLIP", "clip_distill", "clip", "metrics",
-     "retrieval/image_retrieval_recall@5", +1),
-    ("distillation (clip + distill) raises the held-out linear probe over CLIP", "clip_distill", "clip", "metrics",
-     "heldout/lp_acc1", +1),
-    ("distillation (clip + distill) raises zero-shot accuracy in another drawing style", "clip_distill", "clip",
-     "metrics", "cross_style/acc1", +1),
-    # the LiT cell as the teacher (3x CLIP's zero-shot): a teacher with something to teach
-    ("distillation from the LiT teacher (clip + distill) raises held-out zero-shot accuracy over CLIP",
-     "clip_distill_lit", "clip", "metrics", "heldout/acc1", +1),
-    ("distillation alone from the LiT teacher raises held-out zero-shot accuracy over CLIP", "distill_lit", "clip",
-     "metrics", "heldout/acc1", +1),
-    ("distillation from the LiT teacher (clip + distill) raises held-out retrieval over CLIP", "clip_distill_lit",
-     "clip", "metrics", "retrieval/image_retrieval_recall@5", +1),
-    ("distillation alone from the LiT teacher raises held-out retrieval over CLIP", "distill_lit", "clip", "metrics",
-     "retrieval/image_retrieval_recall@5", +1),
-    ("distillation alone from the LiT teacher raises zero-shot accuracy in another drawing style", "distill_lit",
-     "clip", "metrics", "cross_style/acc1", +1),
-]
+CLAIMS = _claims("grid")
 
 
 def _gaps(cells: dict, variant: str, metric: str) -> list[tuple[int, dict, float | None]]:
@@ -341,18 +286,7 @@ def load_supplements() -> dict[str, dict[str, dict]]:
 
 
 # (claim, variant, baseline, metric, direction) of the curation run (scripts/reports/curation.py)
-CURATION_CLAIMS = [
-    ("30 % swapped captions lower image R@5", "noisy", "clean", "retrieval/image_retrieval_recall@5", -1),
-    ("30 % swapped captions lower zero-shot acc1", "noisy", "clean", "heldout/acc1", -1),
-    ("filtering by the noisy teacher's score raises image R@5 over the noisy data", "filtered", "noisy",
-     "retrieval/image_retrieval_recall@5", +1),
-    ("... raises the linear probe", "filtered", "noisy", "heldout/lp_acc1", +1),
-    ("... raises zero-shot acc1", "filtered", "noisy", "heldout/acc1", +1),
-    ("... raises Noto acc1 (cross-style)", "filtered", "noisy", "cross_style/acc1", +1),
-    ("... raises Noto image R@5", "filtered", "noisy", "cross_style_retrieval/image_retrieval_recall@5", +1),
-    ("clean captions still beat the filtered noisy ones on image R@5", "clean", "filtered",
-     "retrieval/image_retrieval_recall@5", +1),
-]
+CURATION_CLAIMS = _claims("curation")
 
 
 def curation_section(data: dict) -> list[str]:

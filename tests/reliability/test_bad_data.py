@@ -252,7 +252,9 @@ def test_a_dataset_wide_embedding_dimension_mismatch_is_refused_before_training(
     embeddings have another: exit 2 before any step."""
     import shutil
 
-    from conftest import in_tar_copy, train
+    from data_copies import in_tar_copy
+
+    from conftest import train
 
     data = tmp_path / "train"
     if layout == "sidecar":

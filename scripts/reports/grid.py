@@ -1,0 +1,82 @@
+"""The experiment grid's definition (scripts/reports/experiment.py runs it; evidence.py tables it): the
+model, the steps, every variant's config and the tabled metrics."""
+
+from __future__ import annotations
+
+# The grid's model: the packaged 32 px ViT made small enough that a cell's STEPS fit ~60 s on 2 CPU
+# cores (measured on the MNIST grid: the training loop takes 52-66 s for 550 steps at batch 64, data
+# loading and 5 held-out evaluations included), with a trainable text tower.
+MODEL_OVERRIDES = {"embed_dim": 64, "vision_cfg": {"width": 96, "layers": 3, "head_width": 32},
+                   "text_cfg": {"width": 64, "layers": 2, "heads": 2}}
+# Region weighting's warm-up: Hedge then has STEPS - REGION_WARMUP >= 500 weighted steps to move its weights
+REGION_WARMUP = 50
+STEPS = 550
+# The model reads 32 px (the packaged ViT's size); --input-size N reads N px with patches of N/4 px, the same
+# 16 tokens. demo:openmoji-all's shards are 64 px, but a 64-px input measured no better there (3 seeds:
+# linear probe 0.396 +- 0.035 vs 0.420 +- 0.024, image R@5 0.118 vs 0.118) at 2.1x the training time
+# (bench_results/experiments/input_64px/), so its grid reads 32 px too.
+INPUT_SIZE = 32
+
+
+def regions(space: str, steps: int) -> list[dict]:
+    return [{"name": "regions", "options": {"base": "clip", "scales": [5, 10, 20], "space": space, "bank_size": 1024,
+                                            "refresh_every": 20, "eta0": 0.1,
+                                            "warmup_steps": min(REGION_WARMUP, steps // 5), "warmup_epochs": 0}}]
+
+
+# The distillation teacher (issue "teacher targets"): a larger tiny model trained TEACHER_STEPS x the
+# student's steps on the same training split only, then `data_tools embed --image-model` with K crops
+TEACHER_OVERRIDES = {"embed_dim": 96, "vision_cfg": {"width": 128, "layers": 4, "head_width": 32},
+                     "text_cfg": {"width": 96, "layers": 3, "heads": 3}}
+TEACHER_STEPS = 3
+TEACHER_CROPS = 10
+
+
+# each teacher: the grid cell that trains it, and where its rows go (None: beside the training shards)
+TEACHER_CELLS = {"teacher": ("teacher", None), "lit": ("lit", "teacher_lit")}
+
+
+def distill(clip_weight: float, teacher: str = "teacher") -> dict:
+    """clip (when weighted) + distill from one of the grid's teachers at its own learned logit scale."""
+    terms = [{"name": "clip", "weight": clip_weight}] if clip_weight else []
+    return {"loss": terms + [{"name": "distill", "weight": 1.0, "options": {"teacher_scale": "TEACHER_SCALE"}}],
+            "teacher": teacher}
+
+
+VARIANTS = {
+    "clip": lambda steps: {"loss": [{"name": "clip"}]},
+    "sigmoid": lambda steps: {"loss": [{"name": "sigmoid"}]},
+    "sigmoid_wvn": lambda steps: {"loss": [{"name": "sigmoid", "options": {"within_view_negatives": True}}]},
+    "clip_soft_0.5": lambda steps: {"loss": [{"name": "clip"}, {"name": "soft_target", "weight": 0.5,
+                                                                 "options": {"target_temperature": 0.05}}]},
+    "clip_soft_1.0": lambda steps: {"loss": [{"name": "clip"}, {"name": "soft_target", "weight": 1.0,
+                                                                 "options": {"target_temperature": 0.05}}]},
+    "cwcl": lambda steps: {"loss": [{"name": "cwcl"}]},
+    "clip_vrn": lambda steps: {"loss": [{"name": "clip"}, {"name": "vrn", "weight": 1.0}]},
+    "regions_image": lambda steps: {"loss": regions("image", steps)},
+    "regions_target": lambda steps: {"loss": regions("target", steps)},
+    # FastCLIP-v3 (issue 24): its CC3M settings, gamma decaying over about half of a b64 grid's epochs
+    "global_clip": lambda steps: {"loss": [{"name": "global_clip", "options": {
+        "gamma": 0.2, "gamma_schedule": "cosine", "gamma_decay_epochs": 4, "rho": 6.5}}]},
+    "teacher": lambda steps: {"loss": [{"name": "clip"}], "model": {"arch": "mmpt-tiny-vit",
+                                                                    "overrides": TEACHER_OVERRIDES},
+                              "train": {"steps": TEACHER_STEPS * steps}},
+    "clip_distill": lambda steps: distill(1.0),
+    "distill": lambda steps: distill(0.0),
+    # the LiT cell (frozen MiniLM text tower, seed 0, trained on the same split) as the teacher: 3x CLIP's zero-shot
+    "clip_distill_lit": lambda steps: distill(1.0, "lit"),
+    "distill_lit": lambda steps: distill(0.0, "lit"),
+    # ReSA (issue 55): self-assigned targets from the image tower's own encodings, no frozen model; beside
+    # CLIP at X-CLR's weight (clip_soft_0.5), online and from the weight average (ReSA's momentum encoder)
+    "clip_resa": lambda steps: {"loss": [{"name": "clip"}, {"name": "resa", "weight": 0.5}]},
+    "clip_resa_ema": lambda steps: {"loss": [{"name": "clip"}, {"name": "resa", "weight": 0.5,
+                                                                 "options": {"encodings": "ema"}}],
+                                    "train": {"ema": {"decay": 0.99}}},
+    "lit": lambda steps: {"loss": [{"name": "clip"}],
+                          "model": {"arch": "mmpt-tiny-vit-minilm", "lock_text": True, "text_from_targets": True,
+                                    "overrides": {k: v for k, v in MODEL_OVERRIDES.items() if k != "text_cfg"}}},
+}
+# the final evaluation's metrics kept in the JSON (every one the tasks give is kept; these are tabled)
+TABLE = ("heldout/acc1", "heldout/lp_acc1", "heldout/knn_acc1", "heldout/ari", "heldout/ari_preproj",
+         "digits/acc1", "retrieval/image_retrieval_recall@5", "cross_style/acc1",
+         "cross_style_retrieval/image_retrieval_recall@5")
