@@ -83,10 +83,13 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subproce
 
 def script(path: str):
     """A script of the repository (``scripts/reports/evidence.py``) as a module, loaded from its file: the
-    scripts are run by path, not installed."""
+    scripts are run by path, not installed, so its folder goes on ``sys.path`` as ``python PATH`` puts it
+    there (for its siblings' imports)."""
     import importlib.util
 
     file = ROOT / path
+    if str(file.parent) not in sys.path:
+        sys.path.insert(0, str(file.parent))
     spec = importlib.util.spec_from_file_location(file.stem, file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

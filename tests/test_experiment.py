@@ -117,8 +117,9 @@ def test_experiment_restarts_only_run_folders_it_made(openmoji, tmp_path):
 def test_curation_corruption_is_a_recorded_derangement_of_a_share_of_the_captions(openmoji, tmp_path, monkeypatch):
     """scripts/reports/curation.py's noisy copy: exactly the recorded share of samples gets another sample's
     caption (none its own), every other member is byte-identical, the evaluation folders are linked."""
-    sys.path.insert(0, str(ROOT / "scripts/reports"))
-    import curation
+    from conftest import script
+
+    curation = script("scripts/reports/curation.py")
 
     from mmpretrain.data.tar import read_tar
 

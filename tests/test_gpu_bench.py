@@ -201,7 +201,7 @@ def test_end_to_end_windows_stay_in_one_epoch(batch, workers, steps):
 def test_resume_is_read_from_the_log_and_the_checkpoints(tmp_path):
     from conftest import script
 
-    gb = script("scripts/bench/gpu_bench.py")
+    gb = script("scripts/bench/gpu_engines.py")
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     for step in (3, 6, 8):

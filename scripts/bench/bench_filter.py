@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from benchlib import table, write_result  # a sibling: the script's folder is on sys.path
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import table, write_result  # noqa: E402
 
 TID = "synthetic-00000000"
 

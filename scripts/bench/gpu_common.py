@@ -1,16 +1,13 @@
-"""What the GPU check's two scripts share (gpu_bench.py runs the sections, gpu_end_to_end.py the end-to-end
-part of its step section): the checkout's root on ``sys.path`` (the device machine runs the checkout;
-mmpretrain is not pip-installed there), a device synchronisation and a FLOP count. Both import this;
-neither imports the other's helpers."""
+"""What the GPU check's scripts share (gpu_bench.py runs the sections of gpu_sections.py and gpu_engines.py,
+gpu_end_to_end.py the end-to-end part of its step section): the checkout's root (bench_gpu.sh puts it on
+PYTHONPATH: mmpretrain is not pip-installed on the device machine), a device synchronisation and a FLOP
+count. gpu_end_to_end.py imports only this of its siblings."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def sync(device) -> None:

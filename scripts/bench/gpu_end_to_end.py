@@ -15,14 +15,12 @@ import math
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import threading
 import time
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_common, also when loaded by path
-from gpu_common import ROOT, count_flops, sync  # noqa: E402
+from gpu_common import ROOT, count_flops, sync  # a sibling: the script's folder is on sys.path
 
 SYNC_STEPS = 5  # steps run under torch.cuda.set_sync_debug_mode after the timed window
 PREFETCH = 2  # data.prefetch_factor's default, and open_clip_train's loader's

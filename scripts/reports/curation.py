@@ -32,10 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import experiment  # noqa: E402
-from experiment import ROOT, TABLE, cell_dir, prepare_data, run_cli, train_cell, write_json  # noqa: E402
+import experiment  # a sibling: the script's folder is on sys.path
+from experiment import ROOT, TABLE, cell_dir, prepare_data, run_cli, train_cell, write_json
 
 CORRUPTED = "corrupted.json"
 OWNED = ".made-by-curation"  # the only folder the script removes holds this

@@ -19,13 +19,13 @@ import statistics
 import sys
 from pathlib import Path
 
+from experiment import TABLE, VARIANTS  # siblings (the script's folder is on sys.path): one list of variants
+from perf_table import write_block
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench_results" / "experiments"
 DOC = ROOT / "docs" / "evidence.md"
 START, END = "<!-- evidence:start -->", "<!-- evidence:end -->"
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings, also when a test imports it by path
-from experiment import TABLE, VARIANTS  # noqa: E402  (one list of variants and tabled metrics)
-from perf_table import write_block  # noqa: E402
 
 DATASETS = {
     "mnist": "MNIST (`demo:mnist`: 4,000 training digits, 1,000 held-out, stratified; scikit-learn's 1,797 "

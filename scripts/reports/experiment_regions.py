@@ -87,7 +87,6 @@ def main() -> int:
     if not (data / "train").is_dir() or not (data / "test").is_dir():
         print(f"error: {data}/train and {data}/test not found; run `make demo` first", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(ROOT))
     from mmpretrain.config import load_config
 
     cfg = load_config(args.config, args.overrides)
