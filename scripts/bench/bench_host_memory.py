@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from benchlib import RESULTS, table  # noqa: E402
+from benchlib import RESULTS, table, trainer_plan
 
 MIB = 2**20
 
@@ -69,7 +69,6 @@ def main() -> int:
     from data_tools.build import build
     from mmpretrain.data import host_memory
     from mmpretrain.data.decode import SampleDecoder, split_normalize
-    from mmpretrain.data.plan import StreamPlan
     from mmpretrain.data.sources import resolve_sources
     from mmpretrain.data.stream import TrainStream, make_loader
 
@@ -86,7 +85,7 @@ def main() -> int:
         shards = sorted(x.name for x in train.glob("*.tar"))
         sources = resolve_sources(str(train))
         for prefetch in (4, 2):
-            plan = StreamPlan(sources, "resampled", 0, 1, W, B, B * W * 20, 1000)
+            plan = trainer_plan(sources, B, W, mode="resampled", num_samples=B * W * 20)
             decoder = SampleDecoder(uint8, embeddings="ignore")
             loader = make_loader(TrainStream(plan, decoder, 0, tokenizer=tokenizer), W, prefetch_factor=prefetch)
             it = iter(loader)

@@ -147,6 +147,20 @@ def open_clip_rate(pattern: str, transform, tokenizer, batch_size: int, workers:
     return seen / dt
 
 
+def trainer_plan(sources, batch_size: int, workers: int, mode: str = "epoch", num_samples: int | None = None,
+                 shuffle_buffer: int = 1000):
+    """The trainer's stream plan over ``sources`` for one rank: ``mmpretrain.train.inputs.build_data`` on the
+    demo config with these ``data.*`` settings (what ``python -m mmpretrain.train`` would plan), not a plan
+    wired by hand."""
+    from mmpretrain.config import load_config
+    from mmpretrain.train.inputs import build_data
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs/demo.yaml", [
+        "data.train=unused", f"data.mode={mode}", f"data.batch_size={batch_size}", f"data.num_workers={workers}",
+        f"data.shuffle_buffer={shuffle_buffer}", f"data.num_samples={num_samples or 'null'}", "seed=0"])
+    return build_data(cfg, sources, 1).plan
+
+
 def stream_rate(sources, transform, tokenizer, batch_size: int, workers: int, epochs: int, decode: str = "worker",
                 device: str = "cpu") -> float:
     """Images/s of our training stream (epoch mode, one rank) over ``epochs`` passes (worker start included),
@@ -158,11 +172,9 @@ def stream_rate(sources, transform, tokenizer, batch_size: int, workers: int, ep
 
     from mmpretrain.data.decode import SampleDecoder, split_normalize
     from mmpretrain.data.device_decode import DeviceDecoder, Prefetcher
-    from mmpretrain.data.plan import StreamPlan
     from mmpretrain.data.stream import TrainStream, make_loader
 
-    n = sum(s.num_samples for s in sources)
-    plan = StreamPlan(sources, "epoch", 0, 1, max(1, workers), batch_size, n, 1000)
+    plan = trainer_plan(sources, batch_size, workers)
     crop = split_normalize(transform, fast=True)[0]
     decoder = SampleDecoder(crop, embeddings="ignore", device_decode=decode == "device")
     t0 = time.perf_counter()
