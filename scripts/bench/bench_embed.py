@@ -18,12 +18,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import report_ratio  # noqa: E402
+from mmpretrain.config.base import DEMO_TEXT_MODEL
+
+from benchlib import report_ratio
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="sentence-transformers/all-MiniLM-L6-v2")
+    p.add_argument("--model", default=DEMO_TEXT_MODEL)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--captions", type=int, default=20_000)
