@@ -33,12 +33,14 @@ demo: setup
 	$(BIN)/python scripts/reports/demo_table.py --from $(RUN)/results.json; \
 	echo "demo done in $$(( $$(date +%s) - start )) s: results in $(RUN)/results.json, export in $(RUN)/export"
 
+# On 2 pytest-xdist workers, one per core (one torch thread each): a module's tests on one worker, in
+# tests/conftest.py's order (FIRST), the session's data and 2-rank launch made once for both (conftest's shared)
 test: setup
-	$(BIN)/python -m pytest -m "not slow" -q --durations=50
+	$(BIN)/python -m pytest -m "not slow" -q -n 2 --dist loadscope --no-loadscope-reorder --durations=50
 
 # The unit tier (~40 s): no built data, training run, launcher or server (tests/conftest.py marks them)
 test-unit: setup
-	$(BIN)/python -m pytest -m unit -q
+	$(BIN)/python -m pytest -m unit -q -n 2 --dist loadscope --no-loadscope-reorder
 
 test-slow: setup deepspeed img2dataset
 	$(BIN)/python -m pytest -m slow -q

@@ -3,17 +3,16 @@ model, and no network sockets except loopback (gloo uses 127.0.0.1)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from mmpretrain.config.base import DEMO_TEXT_MODEL
 
-ROOT = Path(__file__).resolve().parent.parent
+from commands import ROOT, accelerate_launch, reset_process_state, run_cli, run_main, script, shared  # noqa: F401
+
 TEXT_MODEL = DEMO_TEXT_MODEL
 
 
@@ -23,6 +22,14 @@ def pytest_configure(config):
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # one of `make test`'s 2 workers on 2 cores: one torch thread each, and one for the processes it
+        # starts (2 workers x 2 spinning OpenMP threads took the suite from 681 to 992 CPU-seconds)
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+        return  # the controller seeded the cache before it started the workers
     from mmpretrain.hub_cache import seed_demo_models
 
     seed_demo_models(cache / "hub")
@@ -57,7 +64,36 @@ def pytest_sessionstart(session):
                     "anyway)", returncode=3)
 
 
+# The longest modules first (`--durations`), in an order that keeps both workers busy: pytest-xdist
+# (`--dist loadscope --no-loadscope-reorder`) hands modules out in collection order. stream_fill builds the
+# session's data and its 2-rank launch (ddp_checks) while the other worker runs modules that need neither;
+# the engines, which read that launch's run, come after.
+FIRST = ("test_stream_fill.py", "test_crop.py", "test_openmoji_all.py", "test_experiment.py", "test_crash.py",
+         "test_rank_failure.py", "test_engines.py", "test_data_sources.py", "test_eval_selection.py", "test_cli.py",
+         "test_eval.py", "test_slice.py", "test_train.py")
+
+
+# the modules whose 2-rank checks run in tests/ddp_helpers.py's pool of spawned ranks: one worker takes them
+# all, so that the pool (2 interpreters importing torch and the test module, ~16 CPU-seconds) starts once
+RANK_POOL = {p.name for p in Path(__file__).parent.glob("test_*.py") if "run_ranks" in p.read_text()}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's ``loadscope`` (a module's tests on one worker, for its module fixtures), with the
+    :data:`RANK_POOL` modules as one unit."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Modules(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "rank_pool" if Path(module).name in RANK_POOL else module
+
+    return Modules(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: FIRST.index(item.path.name) if item.path.name in FIRST else len(FIRST))
     for item in items:
         if not (set(item.fixturenames) & INTEGRATION_FIXTURES or item.get_closest_marker("integration")
                 or item.get_closest_marker("slow")):
@@ -71,99 +107,6 @@ def _no_network():
     pytest_socket.socket_allow_hosts(["127.0.0.1", "localhost", "::1"], allow_unix_socket=True)
     yield
     pytest_socket.enable_socket()
-
-
-def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run ``python -m ...`` as a user would, in a new interpreter, with the test environment. For tests
-    about the process itself (its exit status, what a fresh interpreter imports, a kill, a launcher);
-    every other command-line test uses :func:`run_main`."""
-    return subprocess.run([sys.executable, "-m", *args], cwd=cwd or ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ))
-
-
-def script(path: str):
-    """A script of the repository (``scripts/reports/evidence.py``) as a module, loaded from its file: the
-    scripts are run by path, not installed, so its folder goes on ``sys.path`` as ``python PATH`` puts it
-    there (for its siblings' imports)."""
-    import importlib.util
-
-    file = ROOT / path
-    if str(file.parent) not in sys.path:
-        sys.path.insert(0, str(file.parent))
-    spec = importlib.util.spec_from_file_location(file.stem, file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-MAINS = {"mmpretrain.train": "mmpretrain.train.cli", "mmpretrain.eval": "mmpretrain.eval.cli",
-         "mmpretrain.export": "mmpretrain.export.cli", "data_tools": "data_tools.cli"}
-
-
-@contextlib.contextmanager
-def _captured_fds():
-    """stdout and stderr at the file-descriptor level, for this process and the processes it forks (the
-    loader workers), as a new interpreter's pipes would hold them: yields ``[out, err]``, filled on exit."""
-    import tempfile
-
-    got = ["", ""]
-    files = [tempfile.TemporaryFile(mode="w+b"), tempfile.TemporaryFile(mode="w+b")]
-    saved_streams = sys.stdout, sys.stderr
-    for stream in saved_streams:
-        stream.flush()
-    saved_fds = [os.dup(1), os.dup(2)]
-    try:
-        os.dup2(files[0].fileno(), 1)
-        os.dup2(files[1].fileno(), 2)
-        sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
-        sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
-        yield got
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        sys.stdout, sys.stderr = saved_streams
-        os.dup2(saved_fds[0], 1)
-        os.dup2(saved_fds[1], 2)
-        for fd in saved_fds:
-            os.close(fd)
-        for i, f in enumerate(files):
-            f.seek(0)
-            got[i] = f.read().decode("utf-8", "replace")
-            f.close()
-
-
-def reset_process_state() -> None:
-    """What one ``python -m`` run leaves behind in this process and the next would inherit: accelerate's
-    process-wide state (an Accelerator is a per-process singleton)."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-def run_main(*args: str) -> subprocess.CompletedProcess:
-    """``python -m MODULE ARGS`` (MODULE: mmpretrain.train, mmpretrain.eval, mmpretrain.export or
-    data_tools) through the same ``main`` in this process, without a new interpreter's ~9 s of imports:
-    its exit status (2 for an argparse error, 1 with the traceback on stderr for an exception that
-    would have ended the interpreter), stdout and stderr (the loader workers' too)."""
-    import importlib
-    import traceback
-
-    module, argv = importlib.import_module(MAINS[args[0]]), list(args[1:])
-    reset_process_state()
-    code = 0
-    try:
-        with _captured_fds() as got:
-            try:
-                code = module.main(argv)
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            except Exception:
-                traceback.print_exc()
-                code = 1
-    finally:
-        reset_process_state()
-    return subprocess.CompletedProcess([args[0], *argv], code, got[0], got[1])
 
 
 # --------------------------------------------------------------------------- training in a test
@@ -203,8 +146,7 @@ def launch(run_dir: Path, data: Path, *overrides: str, accelerate: str = "cpu-2p
     """``accelerate launch --config_file configs/accelerate/ACCELERATE --num_processes 2 [-m mmpretrain.train
     | WRAPPER mmpretrain.train] --config demo.yaml data.train=DATA run_dir=RUN_DIR ...`` as a user
     launches it: 2 processes (gloo on a CPU)."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / f"configs/accelerate/{accelerate}.yaml"), "--num_processes", "2", *launch_args,
+    cmd = [*accelerate_launch(accelerate), "--num_processes", "2", *launch_args,
            *([wrapper] if wrapper else ["-m"]), "mmpretrain.train", "--config", str(CONFIG), f"data.train={data}",
            f"run_dir={run_dir}", "train.progress=false", "train.log_with=[]", "train.plots=false", *overrides]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
@@ -218,10 +160,13 @@ DEMO_RUN = ["data.batch_size=16", "data.num_workers=0", "train.log_every=1", "tr
 def demo_run(openmoji, tmp_path_factory) -> Path:
     """The demo config trained 4 steps (:data:`DEMO_RUN`) through the trainer's main in this process.
     Shared: a test that changes it works on its own copy."""
-    run_dir = tmp_path_factory.mktemp("demo_run") / "run"
-    r = train(openmoji / "train", run_dir, "train.steps=4", *DEMO_RUN)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return run_dir
+    def make(folder: Path):
+        run_dir = folder / "run"
+        r = train(openmoji / "train", run_dir, "train.steps=4", *DEMO_RUN)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return run_dir
+
+    return shared(tmp_path_factory, "demo_run", make)
 
 
 # 6 steps on 2 ranks, checkpoints at 3 and 6: the data-parallel reference of the engine tests, and the run
@@ -257,39 +202,54 @@ def damaged(openmoji: Path, dest: Path, kind: str, bad: int = 2) -> str:
 
 
 @pytest.fixture(scope="session")
-def ddp_checks(openmoji, tmp_path_factory) -> dict:
+def ddp_checks(openmoji, emoji_images, demo_run, tmp_path_factory) -> dict:
     """One ``accelerate launch`` of 2 CPU processes (each launch costs ~15 s of process start-up and
     imports on 2 cores) running tests/scripts/ddp_checks.py's plan: ``python -m mmpretrain.train``'s
     main on the demo config for 6 steps (:data:`DDP_RUN`, into ``run_dir``), ``python -m
     mmpretrain.eval``'s main on that run (:data:`DDP_EVAL`, into ``eval_output``; the launch's printed
-    tables in ``stdout``), then the DDP checks. Returns the script's report with those three keys."""
-    import json
+    tables in ``stdout``), then the DDP checks, then the plan's ``runs``: the damaged-shard epochs, LoRA, and
+    ``python -m data_tools build`` then ``embed`` (captions and ``demo_run`` as a teacher) of a captions TSV
+    with broken rows (``build_tsv``) into ``build_out`` (tests/test_data_sources.py). Returns the script's
+    report with those keys."""
+    def make(folder: Path):
+        import json
 
-    out = tmp_path_factory.mktemp("ddp_checks")
-    run_dir = out / "run"
-    runs = [{"name": f"bad_{kind}", "args": ["--config", str(CONFIG), f"data.train={damaged(openmoji, out / kind, kind)}",
-                                            f"run_dir={out / ('run_' + kind)}", *BAD_SHARD_RUN, "data.num_workers=2"]}
-            for kind in ("html", "sidecar")]
-    runs.append({"name": "lora", "args": ["--config", str(CONFIG), f"data.train={openmoji / 'train'}",
-                                          f"run_dir={out / 'run_lora'}", "train.progress=false", "train.log_with=[]",
-                                          "train.plots=false", *DDP_RUN, "train.steps=2", "train.save_every=null",
-                                          "model.lora={towers: [image]}"]})
-    plan = {"train": ["--config", str(CONFIG), f"data.train={openmoji / 'train'}", f"run_dir={run_dir}",
-                      "train.progress=false", "train.log_with=[]", "train.plots=false", *DDP_RUN], "runs": runs,
-            "eval": ["--model", str(run_dir), *(a.format(data=openmoji) for a in DDP_EVAL), "--output",
-                     str(out / "eval.json")],
-            "checks": ["unused", "masks", "steps", "nonfinite"], "data": str(openmoji / "train"), "work": str(out / "checks"),
-            "report": str(out / "report.json")}
-    (out / "plan.json").write_text(json.dumps(plan))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "configs/accelerate/cpu-2proc.yaml"), str(ROOT / "tests/scripts/ddp_checks.py"),
-           str(out / "plan.json")]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-4000:]
-    report = json.loads((out / "report.json").read_text())
-    assert report.get("train_exit") == 0 and report.get("eval_exit") == 0, (report, r.stderr[-4000:])
-    return {**report, "run_dir": run_dir, "eval_output": out / "eval.json", "stdout": r.stdout,
-            "run_dirs": {name: out / f"run_{name.removeprefix('bad_')}" for name in report.get("runs", {})}}
+        from data_copies import broken_tsv
+
+        out = folder
+        (out / "tsv").mkdir()
+        tsv = broken_tsv(out / "tsv", emoji_images, good_rows=250)  # 6 shards of 50 rows, each rank its part
+        run_dir = out / "run"
+        runs = [{"name": f"bad_{kind}", "args": ["--config", str(CONFIG), f"data.train={damaged(openmoji, out / kind, kind)}",
+                                                f"run_dir={out / ('run_' + kind)}", *BAD_SHARD_RUN, "data.num_workers=2"]}
+                for kind in ("html", "sidecar")]
+        runs.append({"name": "lora", "args": ["--config", str(CONFIG), f"data.train={openmoji / 'train'}",
+                                              f"run_dir={out / 'run_lora'}", "train.progress=false", "train.log_with=[]",
+                                              "train.plots=false", *DDP_RUN, "train.steps=2", "train.save_every=null",
+                                              "model.lora={towers: [image]}"]})
+        runs += [{"name": "build", "module": "data_tools", "args": ["build", str(tsv), "--out", str(out / "built"),
+                                                                    "--image-size", "32", "--shard-size", "50",
+                                                                    "--workers", "1"]},
+                 {"name": "embed", "module": "data_tools", "args": ["embed", str(out / "built"), "--model", TEXT_MODEL,
+                                                                    "--image-model", str(demo_run), "--augmentations",
+                                                                    "2"]}]
+        plan = {"train": ["--config", str(CONFIG), f"data.train={openmoji / 'train'}", f"run_dir={run_dir}",
+                          "train.progress=false", "train.log_with=[]", "train.plots=false", *DDP_RUN], "runs": runs,
+                "eval": ["--model", str(run_dir), *(a.format(data=openmoji) for a in DDP_EVAL), "--output",
+                         str(out / "eval.json")],
+                "checks": ["unused", "masks", "steps", "nonfinite"], "data": str(openmoji / "train"), "work": str(out / "checks"),
+                "report": str(out / "report.json")}
+        (out / "plan.json").write_text(json.dumps(plan))
+        cmd = [*accelerate_launch(), str(ROOT / "tests/scripts/ddp_checks.py"), str(out / "plan.json")]
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-4000:]
+        report = json.loads((out / "report.json").read_text())
+        assert report.get("train_exit") == 0 and report.get("eval_exit") == 0, (report, r.stderr[-4000:])
+        return {**report, "run_dir": run_dir, "eval_output": out / "eval.json", "stdout": r.stdout,
+                "run_dirs": {name: out / f"run_{name.removeprefix('bad_')}" for name in ("bad_html", "bad_sidecar", "lora")},
+                "build_tsv": tsv, "build_out": out / "built"}
+
+    return shared(tmp_path_factory, "ddp_checks", make)
 
 
 @pytest.fixture(scope="session")
@@ -316,50 +276,59 @@ def emoji_images(tmp_path_factory) -> list[tuple[Path, str]]:
 @pytest.fixture(scope="session")
 def openmoji(tmp_path_factory) -> Path:
     """A small real dataset: 500 OpenMoji emoji, built and embedded through the public commands."""
-    out = tmp_path_factory.mktemp("data") / "openmoji"
-    r = run_main("data_tools", "build", "demo:openmoji", "--out", str(out), "--image-size", "32",
-                "--shard-size", "50", "--limit", "500")
-    assert r.returncode == 0, r.stderr
-    r = run_main("data_tools", "embed", str(out), "--model", TEXT_MODEL)
-    assert r.returncode == 0, r.stderr
-    return out
+    def make(folder: Path):
+        out = folder / "openmoji"
+        r = run_main("data_tools", "build", "demo:openmoji", "--out", str(out), "--image-size", "32",
+                    "--shard-size", "50", "--limit", "500")
+        assert r.returncode == 0, r.stderr
+        r = run_main("data_tools", "embed", str(out), "--model", TEXT_MODEL)
+        assert r.returncode == 0, r.stderr
+        return out
+
+    return shared(tmp_path_factory, "openmoji", make)
 
 
 @pytest.fixture(scope="session")
 def sugar_crepe(openmoji, tmp_path_factory) -> Path:
     """SugarCrepe's layout (val2017/ + swap_obj.json, replace_obj.json) from the held-out emoji, negatives
     made by `data_tools negatives --layout sugar_crepe`."""
-    out = tmp_path_factory.mktemp("sugar_crepe") / "sc"
-    r = run_main("data_tools", "negatives", str(openmoji / "test"), "--out", str(out), "--layout", "sugar_crepe")
-    assert r.returncode == 0, r.stderr
-    return out
+    def make(folder: Path):
+        out = folder / "sc"
+        r = run_main("data_tools", "negatives", str(openmoji / "test"), "--out", str(out), "--layout", "sugar_crepe")
+        assert r.returncode == 0, r.stderr
+        return out
+
+    return shared(tmp_path_factory, "sugar_crepe", make)
 
 
 @pytest.fixture(scope="session")
 def winoground(openmoji, tmp_path_factory) -> Path:
     """Winoground's layout as clip_benchmark reads it (image_0, image_1, caption_0, caption_1 and the other
     columns of facebook/winoground), saved with save_to_disk: pairs of held-out emoji."""
-    import io
+    def make(folder: Path):
+        import io
 
-    import datasets
-    from PIL import Image
+        import datasets
+        from PIL import Image
 
-    from mmpretrain.data.tar import read_tar
+        from mmpretrain.data.tar import read_tar
 
-    samples = [(Image.open(io.BytesIO(s["png"])).convert("RGB"), s["txt"].decode())
-               for shard in sorted((openmoji / "test").glob("*.tar")) for s in read_tar(shard) if "png" in s]
-    pairs = [(samples[i], samples[i + 1]) for i in range(0, len(samples) - 1, 2)][:40]
-    rows = {"id": list(range(len(pairs))), "image_0": [a[0] for a, _ in pairs], "image_1": [b[0] for _, b in pairs],
-            "caption_0": [a[1] for a, _ in pairs], "caption_1": [b[1] for _, b in pairs],
-            "tag": ["object"] * len(pairs), "secondary_tag": [""] * len(pairs),
-            "num_main_preds": [1] * len(pairs), "collapsed_tag": ["Object"] * len(pairs)}
-    features = datasets.Features({"id": datasets.Value("int32"), "image_0": datasets.Image(), "image_1": datasets.Image(),
-                                  "caption_0": datasets.Value("string"), "caption_1": datasets.Value("string"),
-                                  "tag": datasets.Value("string"), "secondary_tag": datasets.Value("string"),
-                                  "num_main_preds": datasets.Value("int32"), "collapsed_tag": datasets.Value("string")})
-    out = tmp_path_factory.mktemp("winoground") / "winoground"
-    datasets.DatasetDict({"test": datasets.Dataset.from_dict(rows, features=features)}).save_to_disk(str(out))
-    return out
+        samples = [(Image.open(io.BytesIO(s["png"])).convert("RGB"), s["txt"].decode())
+                   for shard in sorted((openmoji / "test").glob("*.tar")) for s in read_tar(shard) if "png" in s]
+        pairs = [(samples[i], samples[i + 1]) for i in range(0, len(samples) - 1, 2)][:40]
+        rows = {"id": list(range(len(pairs))), "image_0": [a[0] for a, _ in pairs], "image_1": [b[0] for _, b in pairs],
+                "caption_0": [a[1] for a, _ in pairs], "caption_1": [b[1] for _, b in pairs],
+                "tag": ["object"] * len(pairs), "secondary_tag": [""] * len(pairs),
+                "num_main_preds": [1] * len(pairs), "collapsed_tag": ["Object"] * len(pairs)}
+        features = datasets.Features({"id": datasets.Value("int32"), "image_0": datasets.Image(), "image_1": datasets.Image(),
+                                      "caption_0": datasets.Value("string"), "caption_1": datasets.Value("string"),
+                                      "tag": datasets.Value("string"), "secondary_tag": datasets.Value("string"),
+                                      "num_main_preds": datasets.Value("int32"), "collapsed_tag": datasets.Value("string")})
+        out = folder / "winoground"
+        datasets.DatasetDict({"test": datasets.Dataset.from_dict(rows, features=features)}).save_to_disk(str(out))
+        return out
+
+    return shared(tmp_path_factory, "winoground", make)
 
 
 # a teacher of the experiment grid's kind: the packaged ViT with a trainable open_clip text tower
@@ -371,14 +340,17 @@ TEACHER = ["model.arch=mmpt-tiny-vit", "model.lock_text=false", "model.text_from
 def teacher_data(openmoji, tmp_path_factory) -> dict:
     """A teacher trained 3 steps on the OpenMoji shards, and a copy of those shards embedded with it
     (3 crops an image): the teacher-row tests' and the filter's data."""
-    import json
-    import shutil
+    def make(folder: Path):
+        import json
+        import shutil
 
-    root = tmp_path_factory.mktemp("teacher")
-    r = train(openmoji / "train", root / "teacher", "train.steps=3", *TEACHER)
-    assert r.returncode == 0, r.stderr[-3000:]
-    data = root / "data"
-    shutil.copytree(openmoji / "train", data)
-    r = run_main("data_tools", "embed", str(data), "--image-model", str(root / "teacher"), "--augmentations", "3")
-    assert r.returncode == 0, r.stderr[-3000:]
-    return {"root": root, "teacher": root / "teacher", "data": data, "out": json.loads(r.stdout)}
+        root = folder
+        r = train(openmoji / "train", root / "teacher", "train.steps=3", *TEACHER)
+        assert r.returncode == 0, r.stderr[-3000:]
+        data = root / "data"
+        shutil.copytree(openmoji / "train", data)
+        r = run_main("data_tools", "embed", str(data), "--image-model", str(root / "teacher"), "--augmentations", "3")
+        assert r.returncode == 0, r.stderr[-3000:]
+        return {"root": root, "teacher": root / "teacher", "data": data, "out": json.loads(r.stdout)}
+
+    return shared(tmp_path_factory, "teacher_data", make)

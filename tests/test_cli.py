@@ -99,7 +99,7 @@ def test_a_normal_run_prints_no_library_load_reports(openmoji, tmp_path):
     import subprocess
     import sys
 
-    from conftest import ROOT, TEXT_MODEL
+    from conftest import MICRO, ROOT, TEXT_MODEL
 
     data = tmp_path / "data"
     data.mkdir()
@@ -109,7 +109,7 @@ def test_a_normal_run_prints_no_library_load_reports(openmoji, tmp_path):
     code = ("import sys; from data_tools.cli import main as data_tools; from mmpretrain.train.cli import main as "
             f"train; sys.exit(data_tools(['embed', {str(data)!r}, '--model', {TEXT_MODEL!r}]) or train(['--config', "
             f"{str(ROOT / 'configs/demo.yaml')!r}, 'data.train={data}', 'run_dir={tmp_path / 'run'}', 'train.steps=2', "
-            "'train.epochs=null', 'data.num_workers=0', 'optim.warmup_steps=1', 'train.progress=false']))")
+            f"'train.epochs=null', 'data.num_workers=0', 'optim.warmup_steps=1', 'train.progress=false', {MICRO[0]!r}]))")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     printed = r.stdout + r.stderr

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from data_copies import broken_tsv
 from PIL import Image
 
 from data_tools.build import BuildError, build
@@ -23,32 +24,6 @@ def shard_content(folder: Path) -> list[tuple]:
     # shard names are prefixed with the folder's name; compare their numbers
     return [(name.rsplit("-", 1)[1], s["__key__"], s["txt"], s.get("jpg")) for name in sorted(sizes)
             for s in read_tar(folder / name)]
-
-
-def broken_tsv(root: Path, emoji_images, good_rows: int = 950) -> Path:
-    """``good_rows`` good rows (950: 1,000 rows in all) and 50 broken in 7 ways, interleaved."""
-    imgs = root / "imgs"
-    imgs.mkdir()
-    good = []
-    for path, caption in emoji_images:
-        (imgs / path.name).write_bytes(path.read_bytes())
-        good.append((path.name, caption))
-    (imgs / "zero.jpg").write_bytes(b"")
-    (imgs / "text.jpg").write_bytes(b"this is not an image at all")
-    buf = io.BytesIO()
-    Image.open(imgs / good[1][0]).convert("RGB").resize((256, 256)).save(buf, format="JPEG")
-    (imgs / "cut.jpg").write_bytes(buf.getvalue()[: len(buf.getvalue()) * 7 // 10])  # the tail is missing
-    Image.new("1", (9000, 9000)).save(imgs / "bomb.png")  # 81 Mpx, a few KB on disk
-    rows = [(good[i % len(good)][0], good[i % len(good)][1].encode()) for i in range(good_rows)]
-    rows += [("nope.jpg", b"a missing file")] * 10 + [("zero.jpg", b"zero bytes")] * 10
-    rows += [("text.jpg", b"not an image")] * 10 + [("cut.jpg", b"truncated")] * 10
-    rows += [(good[0][0], b"  ")] * 4 + [(good[0][0], b"caf\xe9 latin-1")] * 3 + [("bomb.png", b"a bomb")] * 3
-    n = len(rows)
-    order = sorted(range(n), key=lambda i: (i * 7919) % n)  # interleave the bad rows (7919: prime, > n)
-    tsv = root / "captions.tsv"
-    tsv.write_bytes(b"image\tcaption\n" + b"".join(f"imgs/{rows[i][0]}\t".encode() + rows[i][1] + b"\n"
-                                                   for i in order))
-    return tsv
 
 
 def test_tsv_with_broken_rows(tmp_path, emoji_images):
@@ -186,27 +161,14 @@ def test_interrupted_build_resumes_to_the_same_shards(tmp_path, emoji_images, mo
         build(str(tsv), out, image_size=64, shard_size=150, workers=1)
 
 
-def test_build_and_embed_on_two_ranks(tmp_path, emoji_images, demo_run):
+def test_build_and_embed_on_two_ranks(tmp_path, ddp_checks, demo_run):
     """Under accelerate launch each rank takes a disjoint part; the result equals one process's (caption
-    rows, and a teacher's crops and rows: ``--image-model``, the demo's trained model)."""
-    import subprocess
-    import sys
+    rows, and a teacher's crops and rows: ``--image-model``, the demo's trained model). The session's
+    2-rank launch (``ddp_checks``) ran ``python -m data_tools build`` then ``embed`` of a TSV of 250 good
+    rows and 50 broken."""
+    from conftest import TEXT_MODEL
 
-    from conftest import ROOT, TEXT_MODEL
-
-    tsv = broken_tsv(tmp_path, emoji_images, good_rows=250)  # 6 shards of 50 rows, each rank its part
-    out = tmp_path / "ranks"
-    # `python -m data_tools build` then `embed` on 2 ranks, in one launch (tests/scripts/ddp_checks.py's runs)
-    runs = [{"name": "build", "module": "data_tools", "args": ["build", str(tsv), "--out", str(out), "--image-size",
-                                                                "32", "--shard-size", "50", "--workers", "1"]},
-            {"name": "embed", "module": "data_tools", "args": ["embed", str(out), "--model", TEXT_MODEL, "--image-model",
-                                                                str(demo_run), "--augmentations", "2"]}]
-    (tmp_path / "plan.json").write_text(json.dumps({"runs": runs, "report": str(tmp_path / "report.json")}))
-    r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                        str(ROOT / "configs/accelerate/cpu-2proc.yaml"), str(ROOT / "tests/scripts/ddp_checks.py"),
-                        str(tmp_path / "plan.json")], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[:4000] + "\n...\n" + r.stderr[-1500:]
-    report = json.loads((tmp_path / "report.json").read_text())["runs"]
+    tsv, out, report = ddp_checks["build_tsv"], ddp_checks["build_out"], ddp_checks["runs"]
     assert [report[n]["exit"] for n in ("build", "embed")] == [0, 0], report
     single = tmp_path / "single"
     build(str(tsv), single, image_size=32, shard_size=50, workers=1)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 import conftest
-from conftest import DDP_RUN, run_main, train
+from conftest import DDP_RUN, accelerate_launch, run_main, train
 
 ROOT = Path(__file__).resolve().parent.parent
 WRAPPER = str(ROOT / "tests/scripts/gpu_engine_on_cpu.py")
@@ -96,8 +95,7 @@ def fsdp_runs(openmoji, ddp, tmp_path_factory) -> dict:
             ("cross", {}, [f"resume={ddp / 'checkpoints/step_00000003'}"])]
     runs = [{"name": name, "env": env, "args": run_args(openmoji, out / name, *extra)} for name, env, extra in plan]
     (out / "plan.json").write_text(json.dumps({"runs": runs, "report": str(out / "report.json")}))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "configs/accelerate/fsdp.yaml"), "--num_processes", "2", *FSDP, WRAPPER,
+    cmd = [*accelerate_launch("fsdp"), "--num_processes", "2", *FSDP, WRAPPER,
            str(ROOT / "tests/scripts/ddp_checks.py"), str(out / "plan.json")]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]

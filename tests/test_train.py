@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from mmpretrain.losses.base import Objective
 from mmpretrain.losses.clip import ClipLoss
 
-from conftest import ROOT, setup_run, train
+from conftest import ROOT, accelerate_launch, setup_run, train
 
 # tensorboard on: the resume test checks its events
 COMMON = ["train.steps=6", "data.batch_size=16", "data.num_workers=2", "data.shuffle_buffer=32", "optim.warmup_steps=2",
@@ -147,14 +147,12 @@ def launched_steps(request, tmp_path):
     """``(world, which) -> results`` of the step script on ``world`` gloo ranks under accelerate launch:
     2 ranks from the session's one ``ddp_checks`` launch, 4 from a launch of its own (make test-slow)."""
     import subprocess
-    import sys
 
     def steps(world: int, which: str) -> dict:
         if (world, which) == (2, "default"):
             return request.getfixturevalue("ddp_checks")["steps"]
         out = tmp_path / f"{world}.json"
-        r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                            str(ROOT / "configs/accelerate/cpu-2proc.yaml"), "--num_processes", str(world),
+        r = subprocess.run([*accelerate_launch(), "--num_processes", str(world),
                             STEP_SCRIPT, str(out), which], cwd=ROOT, capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stderr[-3000:]
         return json.loads(out.read_text())

@@ -6,11 +6,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from conftest import ROOT
+from conftest import ROOT, accelerate_launch
 
 
 def _children(pid: int) -> list[int]:
@@ -34,8 +33,7 @@ def _cmdline(pid: int) -> str:
 
 def test_a_dead_rank_stops_the_run_with_an_error(openmoji, tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "configs/accelerate/cpu-2proc.yaml"), "-m", "mmpretrain.train", "--config",
+    cmd = [*accelerate_launch(), "-m", "mmpretrain.train", "--config",
            str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}", f"run_dir={run_dir}",
            "train.steps=500", "train.epochs=null", "data.batch_size=8", "data.num_workers=1", "train.save_every=2",
            "optim.warmup_steps=1", "train.progress=false", "train.log_with=[]", "train.plots=false"]
