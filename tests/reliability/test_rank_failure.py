@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import ROOT, accelerate_launch
+from conftest import MICRO, ROOT, accelerate_launch
 
 
 def _children(pid: int) -> list[int]:
@@ -36,7 +36,7 @@ def test_a_dead_rank_stops_the_run_with_an_error(openmoji, tmp_path):
     cmd = [*accelerate_launch(), "-m", "mmpretrain.train", "--config",
            str(ROOT / "configs/demo.yaml"), f"data.train={openmoji / 'train'}", f"run_dir={run_dir}",
            "train.steps=500", "train.epochs=null", "data.batch_size=8", "data.num_workers=1", "train.save_every=2",
-           "optim.warmup_steps=1", "train.progress=false", "train.log_with=[]", "train.plots=false"]
+           "optim.warmup_steps=1", "train.progress=false", "train.log_with=[]", "train.plots=false", *MICRO]
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
     try:

@@ -27,7 +27,8 @@ start-up and imports on 2 cores. argv[1]: a JSON plan, in the order run:
   tests/reliability/test_stream_fill.py, LoRA (tests/test_lora.py), and under
   tests/scripts/gpu_engine_on_cpu.py the FSDP runs of tests/test_engines.py.
 
-The main process writes the report (JSON) to the plan's ``report``.
+The main process writes the report (JSON) to the plan's ``report``, with ``train_seconds`` and ``seconds`` (from
+the end of its imports to the checks, and each check's).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch
 from accelerate.utils import gather_object
 
 ROOT = Path(__file__).resolve().parents[2]
+START = time.perf_counter()  # after this script's imports: the report's ``seconds`` count from here
 CASES = {"vrn": ["loss=[{name: vrn}]"], "align_uniform": ["loss=[{name: align_uniform}]"],
          "clip_with_bias": ["loss=[{name: clip}]", "model.overrides={init_logit_bias: -10.0}"]}
 
@@ -155,7 +157,9 @@ def main(plan_path: str) -> None:
     if plan.get("train"):
         from mmpretrain.train.cli import main as train
 
+        start = time.perf_counter()
         report["train_exit"] = train(plan["train"])
+        report["train_seconds"] = round(time.perf_counter() - start, 1)
         ok = report["train_exit"] == 0
     if ok and plan.get("eval"):
         from mmpretrain.eval.cli import main as evaluate
@@ -163,16 +167,21 @@ def main(plan_path: str) -> None:
         report["eval_exit"] = evaluate(plan["eval"])
         ok = report["eval_exit"] == 0
     checks, data, out_dir = plan.get("checks", []), plan.get("data"), Path(plan.get("work", "."))
-    if ok and "unused" in checks:
-        ok = unused(data, out_dir, report)
-    if ok and "masks" in checks:
-        masks(data, out_dir, report)
-    if ok and "steps" in checks:
-        from step_equivalence import main as steps  # this script's folder is on sys.path
+    seconds = report["seconds"] = {"before_checks": round(time.perf_counter() - START, 1)}
+    for name in ("unused", "masks", "steps", "nonfinite"):
+        if ok and name in checks:
+            start = time.perf_counter()
+            if name == "unused":
+                ok = unused(data, out_dir, report)
+            elif name == "masks":
+                masks(data, out_dir, report)
+            elif name == "steps":
+                from step_equivalence import main as steps  # this script's folder is on sys.path
 
-        report["steps"] = steps(None, "default")
-    if ok and "nonfinite" in checks:
-        nonfinite(data, out_dir, report)
+                report["steps"] = steps(None, "default")
+            else:
+                nonfinite(data, out_dir, report)
+            seconds[name] = round(time.perf_counter() - start, 1)
     if ok and plan.get("runs"):
         report["runs"] = {spec["name"]: run(spec) for spec in plan["runs"]}
     if PartialState().is_main_process:

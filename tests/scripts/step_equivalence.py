@@ -58,8 +58,11 @@ def main(out_path: str | None, which: str = "default") -> dict:
         torch.manual_seed(0)
         # no dropout or patch dropout: the towers are deterministic, so the per-rank random streams
         # (each rank its own masks, tests/test_ddp.py) cannot make 2 processes differ from 1 here
-        model_cfg = resolve_model_cfg("mmpt-tiny-vit", None, {"vision_cfg": {"layers": 2, "patch_dropout": 0.0},
-                                                              "text_cfg": {"layers": 2}})
+        # 64 wide and a 1,000-token vocabulary (the tokens drawn above): float64 AdamW over the packaged
+        # 256-wide towers and 49,408-token embedding was most of a step's time
+        model_cfg = resolve_model_cfg("mmpt-tiny-vit", None, {
+            "embed_dim": 64, "vision_cfg": {"layers": 2, "width": 64, "head_width": 32, "patch_dropout": 0.0},
+            "text_cfg": {"layers": 2, "width": 64, "heads": 2, "vocab_size": 1000}})
         objective = build_objective([t.model_dump() for t in cfg.loss], rank=rank, world_size=world,
                                     dataset_size=1000, index_size=1000)
         # as the trainer's build_model: the objective's initial scale and bias, unused ones frozen
