@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from mmpretrain.models.factory import trim_padding
+from mmpretrain.models.text import trim_padding
 
 from conftest import train
 

@@ -41,14 +41,8 @@ def test_frozen_minilm_text_from_targets_is_exact():
 def test_trimmed_text_padding_is_the_same_function(arch):
     """The trainer drops the batch's trailing padding columns before the causal text tower: same
     features and gradients as open_clip's encode_text over the full context."""
-    from mmpretrain.models.factory import (
-        build_dual_encoder,
-        encode_text_trimmed,
-        make_tokenizer,
-        resolve_model_cfg,
-        trim_padding,
-        trims_text,
-    )
+    from mmpretrain.models.factory import build_dual_encoder, make_tokenizer, resolve_model_cfg
+    from mmpretrain.models.text import encode_text_trimmed, trim_padding, trims_text
 
     cfg = resolve_model_cfg(arch)
     torch.manual_seed(0)

@@ -116,8 +116,19 @@ class ModelConfig(_Strict):
         "features as proj(target embedding) instead of re-running the frozen transformer (identical result)",
     )
     overrides: dict[str, Any] = Field(default_factory=dict, description="merged into open_clip's model config")
+    patch_dropout: float = Field(0.0, ge=0, lt=1, description="FLIP: the share of an open_clip ViT's patch tokens "
+                                 "dropped in training (open_clip's meaning), drawn from the seed, step and sample; "
+                                 "evaluation and export unmasked")
     lora: LoraSettings | None = Field(None, description="LoRA adapters (peft) in the towers' blocks: only they train; "
                                       "evaluation and export merge them into the weights")
+
+    @model_validator(mode="after")
+    def _seeded_patch_dropout(self) -> ModelConfig:
+        if (self.overrides.get("vision_cfg") or {}).get("patch_dropout"):
+            raise ValueError("model.overrides.vision_cfg.patch_dropout: open_clip's patch dropout draws from the "
+                             "global random stream; set model.patch_dropout instead (seeded per sample and step, so "
+                             "grad caching and an exact resume see the same masks)")
+        return self
 
     @model_validator(mode="after")
     def _lora_towers_run(self) -> ModelConfig:

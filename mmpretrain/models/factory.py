@@ -23,11 +23,12 @@ import torch
 import torch.nn.functional as F
 from huggingface_hub import hf_hub_download
 from open_clip.transform import PreprocessCfg
-from open_clip.transformer import text_global_pool
 from safetensors.torch import load_file
 from torch import nn
 
 from mmpretrain.hub_cache import quiet_load
+from mmpretrain.models import patch_dropout
+from mmpretrain.models.text import encode_text_trimmed
 from mmpretrain.run_files import MODEL_WEIGHTS, RunFolder, checkpoint_clip_weights
 
 PACKAGED_CONFIGS = Path(__file__).resolve().parent.parent / "model_configs"
@@ -172,43 +173,6 @@ def make_tokenizer(model_cfg: dict):
     return open_clip.tokenizer.SimpleTokenizer(context_length=ctx)
 
 
-def trims_text(clip: nn.Module) -> bool:
-    """Whether dropping trailing padding leaves the pooled text feature unchanged: an open_clip text
-    transformer under its causal mask (no position sees a later one) with EOT (argmax/eos) or
-    first-token pooling. Not for towers without a causal mask, last-token pooling or HF towers."""
-    return (getattr(clip, "attn_mask", None) is not None and hasattr(clip, "token_embedding")
-            and getattr(clip, "text_pool_type", None) in ("argmax", "eos", "first"))
-
-
-def trim_padding(tokens: torch.Tensor, multiple: int = 1) -> torch.Tensor:
-    """``tokens (B, L)`` without the trailing columns that are padding (0) in every row (at least one
-    column), the length rounded up to a ``multiple`` (at most ``L``): few distinct shapes, so that
-    ``torch.compile`` does not recompile for every batch. Call it on the host copy of the batch: the
-    length is data-dependent, and read on a device it would be a synchronisation every step."""
-    used = (tokens != 0).any(0).nonzero()
-    length = int(used.max()) + 1 if used.numel() else 1
-    return tokens[:, : min(-(-length // multiple) * multiple, tokens.shape[1])]
-
-
-def encode_text_trimmed(clip: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """``clip.encode_text(tokens, normalize=True)`` for ``tokens (B, L)`` cut to their used columns
-    (:func:`trim_padding`), ``L`` up to the context. open_clip pads every caption to
-    ``context_length`` (77 for CLIP, 32 for the tiny towers) and runs the text transformer over the
-    padding; where :func:`trims_text` holds, running over the first ``L`` positions only (positional
-    embedding and causal mask cut to ``L``) is the same function at a fraction of the cost (tested to
-    1e-12 in value and gradient). Other towers, and full-length tokens, run ``encode_text`` unchanged."""
-    length = tokens.shape[1] if tokens.dim() == 2 else None
-    if not trims_text(clip) or length is None or length >= clip.positional_embedding.shape[0]:
-        return clip.encode_text(tokens, normalize=True)
-    cast = clip.transformer.get_cast_dtype()
-    x = clip.token_embedding(tokens).to(cast) + clip.positional_embedding[:length].to(cast)
-    x = clip.transformer(x, attn_mask=clip.attn_mask[:length, :length])
-    x = text_global_pool(clip.ln_final(x), tokens, clip.text_pool_type, eos_token_id=getattr(clip, "text_eos_id", None))
-    if clip.text_projection is not None:
-        x = clip.text_projection(x) if isinstance(clip.text_projection, nn.Linear) else x @ clip.text_projection
-    return F.normalize(x, dim=-1)
-
-
 class DualEncoder(nn.Module):
     """The trained module: an open_clip model plus the precomputed-text shortcut.
 
@@ -243,18 +207,21 @@ class DualEncoder(nn.Module):
         target_embeddings: torch.Tensor | None = None,
         negative_tokens: torch.Tensor | None = None,
         encodings: bool = False,
+        patch_keep: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """``images (B, 3, H, W)``, ``tokens (B, L)``, ``target_embeddings (B, E)``; ``negative_tokens (B, L)``
         (hard negatives) are encoded in the same text pass and returned as ``negative_text_features``;
         ``encodings``: also ``image_encodings``, the image tower's pooled output before its projection
-        (detached: targets are made of it, never trained through it)."""
+        (detached: targets are made of it, never trained through it); ``patch_keep (B, K)``: the patches the
+        image tower keeps (``model.patch_dropout``, :mod:`mmpretrain.models.patch_dropout`; None: all)."""
         enc = None
-        if encodings:
-            pooled = pre_projection(self.clip.visual, images)
-            enc = pooled.detach()
-            image_features = F.normalize(pooled @ self.clip.visual.proj, dim=-1)
-        else:
-            image_features = self.clip.encode_image(images, normalize=True)
+        with patch_dropout.dropping(self.clip.visual, patch_keep):
+            if encodings:
+                pooled = pre_projection(self.clip.visual, images)
+                enc = pooled.detach()
+                image_features = F.normalize(pooled @ self.clip.visual.proj, dim=-1)
+            else:
+                image_features = self.clip.encode_image(images, normalize=True)
         negative = None
         if self.text_from_targets:
             text_features = F.normalize(self.clip.text.proj(target_embeddings.to(image_features.dtype)), dim=-1)
@@ -376,10 +343,11 @@ def build_dual_encoder(
     grad_checkpointing: bool = False,
     nonscalar_logit_scale: bool = False,
     max_logit_scale: float | None = None,
+    patch_dropout_prob: float = 0.0,
 ) -> DualEncoder:
     """The model to train. ``init_logit_*`` come from the objective's declared preferences;
     ``nonscalar_logit_scale`` for FSDP (:func:`instantiate`); ``max_logit_scale``: the forward uses
-    the scale clamped to ``[1, max]``."""
+    the scale clamped to ``[1, max]``; ``patch_dropout_prob`` > 0: the seeded patch-dropout slot installed."""
     model_cfg = with_logit_init(model_cfg, init_logit_scale, init_logit_bias)
     clip = instantiate(model_cfg, load_text_weights=pretrained is None, nonscalar_logit_scale=nonscalar_logit_scale)
     if pretrained is not None:
@@ -390,5 +358,7 @@ def build_dual_encoder(
         clip.lock_image_tower(unlocked_groups=lock_image_unlocked_groups, freeze_bn_stats=True)
     if grad_checkpointing:
         clip.set_grad_checkpointing(True)
+    if patch_dropout_prob > 0:
+        patch_dropout.install(clip.visual, arch)
     return DualEncoder(clip, text_from_targets=text_from_targets, lock_text=lock_text and not lock_text_unlocked_layers,
                        max_logit_scale=max_logit_scale)

@@ -76,7 +76,7 @@ def for_objective(feats: dict[str, Any], device: torch.device) -> dict[str, Any]
 
 
 def forward_backward(accelerator, model, objective, images, tokens=None, target_emb=None, *,
-                     negative_tokens=None, encodings: bool = False, micro_batch: int | None = None, mode: str = "grad_cache",
+                     negative_tokens=None, encodings: bool = False, patch_keep=None, micro_batch: int | None = None, mode: str = "grad_cache",
                      finite: Callable[[torch.Tensor], bool] | None = None,
                      context: dict[str, Any] | None = None) -> StepResult:
     """Gradients of the step's loss into the parameters. ``context``: the step context the objective
@@ -91,13 +91,17 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
     backward has already run when the total is known; a False there only marks the result, and the
     caller discards the accumulated gradients (as it must in every mode when ``finite`` is False).
     ``negative_tokens (B, L)``: hard-negative captions, encoded with the captions (``negative_text_features``);
-    ``encodings``: the model also returns the image tower's pre-projection ``image_encodings`` (detached)."""
+    ``encodings``: the model also returns the image tower's pre-projection ``image_encodings`` (detached);
+    ``patch_keep (B, K)``: the patches the image tower keeps, sliced with the micro-batches, so that grad
+    caching's second forward of a micro-batch drops the patches its first did."""
     acc = accelerator
     B = images.shape[0]
     kw = context or {}
     neg = {} if negative_tokens is None else {"negative_tokens": negative_tokens}
     if encodings:
         neg["encodings"] = True
+    if patch_keep is not None:
+        neg["patch_keep"] = patch_keep
 
     def sub_neg(s):
         return {k: v[s] if isinstance(v, torch.Tensor) else v for k, v in neg.items()}

@@ -44,7 +44,7 @@ def train_step(run: Run, batch: Batch) -> StepResult:
         group["lr"] = lr * group.get("lr_scale", 1.0)
     inputs = run.task.inputs(batch, st.step, acc, run.model)
     res = forward_backward(acc, run.model, run.objective, inputs.images, inputs.tokens, inputs.target_embeddings,
-                           negative_tokens=inputs.negative_tokens, encodings=inputs.encodings,
+                           negative_tokens=inputs.negative_tokens, encodings=inputs.encodings, patch_keep=inputs.patch_keep,
                            micro_batch=cfg.train.micro_batch_size, mode=cfg.train.micro_batch_mode, finite=guard.agree,
                            context=inputs.context)
     res.terms["lr"] = lr

@@ -22,7 +22,9 @@ from mmpretrain.hub_cache import offline, require_model
 from mmpretrain.losses import WeightedObjective, build_objective
 from mmpretrain.models import factory
 from mmpretrain.models.lora import apply_lora_note
+from mmpretrain.models.patch_dropout import PatchDraw
 from mmpretrain.models.target_encoder import choose_target_source, load_target_encoder
+from mmpretrain.models.text import trims_text
 from mmpretrain.run_files import JsonlLog, RunFolder, provenance
 from mmpretrain.train.checkpoint import build_position, check_layout, decide_resume, restore_state
 from mmpretrain.train.disk import CheckpointWriteError, check_disk
@@ -132,6 +134,7 @@ def build_model(cfg: ExperimentConfig, objective: WeightedObjective, sharded: st
             lock_text_unlocked_layers=m.lock_text_unlocked_layers, lock_image=m.lock_image,
             lock_image_unlocked_groups=m.lock_image_unlocked_groups, grad_checkpointing=m.grad_checkpointing,
             nonscalar_logit_scale=sharded is not None, max_logit_scale=cfg.train.max_logit_scale,
+            patch_dropout_prob=m.patch_dropout,
         )
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
@@ -262,8 +265,9 @@ def setup(cfg: ExperimentConfig) -> Run:
               preprocess=image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=False),
               tokenizer=tokenizer, evaluator=evaluator,
               log=JsonlLog(files.log, records) if acc.is_main_process else None, images=images, ema=ema,
-              task=TrainingTask(objective, images, target_encoder, factory.trims_text(model.module.clip),
-                                cfg.train.text_length_multiple, teacher_dims, ema))
+              task=TrainingTask(objective, images, target_encoder, trims_text(model.module.clip),
+                                cfg.train.text_length_multiple, teacher_dims, ema,
+                                patch_dropout=PatchDraw.of(model.module.clip.visual, cfg.model.patch_dropout, cfg.seed)))
     if cfg.train.log_with:
         hparams = {k: str(v) if isinstance(v, (list, dict)) else v
                    for k, v in flat_config(cfg.model_dump(mode="json")).items() if v is not None}

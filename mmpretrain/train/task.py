@@ -17,7 +17,8 @@ import torch
 from mmpretrain.data.batch import Batch
 from mmpretrain.data.image_input import ImageInput
 from mmpretrain.losses.base import NEEDS
-from mmpretrain.models.factory import trim_padding
+from mmpretrain.models.patch_dropout import PatchDraw
+from mmpretrain.models.text import trim_padding
 
 
 @dataclass
@@ -32,6 +33,7 @@ class StepInputs:
     negative_tokens: torch.Tensor | None = None
     encodings: bool = False
     context: dict[str, Any] = field(default_factory=dict)
+    patch_keep: torch.Tensor | None = None
 
 
 @dataclass
@@ -39,7 +41,7 @@ class TrainingTask:
     """``objective``: the run's; ``images``: its image input; ``target_encoder``: the sentence-transformer
     with ``targets.source=online``; ``trim_text``: drop the batch's trailing padding before the text tower
     (to a multiple of ``text_length_multiple``); ``teacher_dims``: each stored teacher's width; ``ema``:
-    the weights' average (``encodings = "ema"``)."""
+    the weights' average (``encodings = "ema"``); ``patch_dropout``: the run's patch draw (None: off)."""
 
     objective: Any
     images: ImageInput = field(default_factory=ImageInput)
@@ -48,6 +50,7 @@ class TrainingTask:
     text_length_multiple: int = 8
     teacher_dims: list[int] | None = None
     ema: Any = None
+    patch_dropout: PatchDraw | None = None
 
     def __post_init__(self):
         unknown = sorted(set(self.objective.needs) - NEEDS.keys())
@@ -78,7 +81,11 @@ class TrainingTask:
         if encodings == "ema":  # ReSA's momentum encoder: the weight average's image tower, no gradient
             with accelerator.autocast():
                 context["image_encodings"] = self.ema.encodings(accelerator.unwrap_model(model), images)
-        return StepInputs(images, tokens, target, negative_tokens, encodings == "online", context)
+        keep = None
+        if self.patch_dropout is not None:  # drawn on the host from the sample's index: no device RNG, no sync
+            keep = self.patch_dropout.keep(batch.sample_index, step)
+            keep = (keep.pin_memory() if device.type == "cuda" else keep).to(device, non_blocking=True)
+        return StepInputs(images, tokens, target, negative_tokens, encodings == "online", context, keep)
 
     def _tokens(self, batch: Batch, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The captions' tokens and, with ``negatives``, the negatives' (one text pass: both cut to the

@@ -49,7 +49,7 @@ def step_section(args, device, data: Path) -> dict:
 
     from mmpretrain.config import load_config
     from mmpretrain.data.decode import DeviceNormalize
-    from mmpretrain.models.factory import trim_padding
+    from mmpretrain.models.text import trim_padding
     from mmpretrain.train import setup, train_step
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -71,10 +71,15 @@ def unused(data: str, out_dir: Path, report: dict) -> bool:
 
 
 def masks(data: str, out_dir: Path, report: dict) -> None:
+    from open_clip.transformer import PatchDropout
+
     from mmpretrain.train import setup
 
-    run = setup(config(data, out_dir / "masks", "model.overrides={vision_cfg: {patch_dropout: 0.5}}"))
+    run = setup(config(data, out_dir / "masks"))
     clip = run.accelerator.unwrap_model(run.model).clip
+    # a random op of the global stream (open_clip's patch dropout; model.patch_dropout draws from the sample's
+    # index instead, tests/test_patch_dropout.py): each rank its own stream (seed + rank)
+    clip.visual.patch_dropout = PatchDropout(0.5)
     weights = float(sum(p.detach().double().sum() for p in clip.visual.parameters()))
     images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     clip.train()
