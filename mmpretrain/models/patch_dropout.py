@@ -47,12 +47,12 @@ def kept_patches(sample_index: torch.Tensor, seed: int, step: int, num_patches: 
     """``(B, K)`` indices (ascending) of the patches each sample keeps at optimizer ``step``: the ``K``
     (:func:`keep_count`) with the smallest hash of (``seed``, ``step``, the sample's global index, the patch)."""
     k = keep_count(num_patches, prob)
+    if k == num_patches:  # nothing dropped: no draw
+        return torch.arange(num_patches).expand(len(sample_index), -1).clone()
     with np.errstate(over="ignore"):
         base = _mix(_mix(np.array([seed], dtype=np.int64).view(np.uint64)) ^ np.uint64(step))
         per_sample = _mix(base ^ sample_index.numpy().astype(np.int64).view(np.uint64))
         noise = _mix(per_sample[:, None] ^ _mix(np.arange(num_patches, dtype=np.uint64))[None, :])
-    if k == num_patches:
-        return torch.arange(num_patches).expand(len(per_sample), -1).clone()
     keep = np.argpartition(noise, k - 1, axis=1)[:, :k]
     return torch.from_numpy(np.sort(keep, axis=1).astype(np.int64))
 
