@@ -13,7 +13,7 @@ from mmpretrain.config import outside
 from mmpretrain.config.base import DEMO_TEXT_MODEL, ConfigError, RemoteConfig, _Strict
 
 __all__ = ["ConfigError", "DataConfig", "EMAConfig", "EvalConfig", "ExperimentConfig", "HubConfig", "LossTerm",
-           "ModelConfig", "OptimConfig", "RemoteConfig", "TargetsConfig", "TrainConfig"]
+           "ModelConfig", "OptimConfig", "PhaseConfig", "RemoteConfig", "TargetsConfig", "TrainConfig"]
 
 
 class DataConfig(_Strict):
@@ -191,6 +191,37 @@ class EMAConfig(_Strict):
     warmup_steps: int = Field(0, ge=0, description="until this step the average is a copy of the weights")
 
 
+class PhaseConfig(_Strict):
+    steps: int | None = Field(None, gt=0, description="the phase's optimizer steps (every phase gives steps, summing "
+                              "to train.steps, or every phase a share)")
+    share: float | None = Field(None, gt=0, le=1, description="the phase's share of the run's steps (the shares sum "
+                                "to 1)")
+    image_size: int | None = Field(None, gt=0, description="the image tower's input size in the phase (an open_clip "
+                                   "ViT: a multiple of its patch; position embeddings resized at the boundary); "
+                                   "default: the model's")
+    patch_dropout: float | None = Field(None, ge=0, lt=1, description="model.patch_dropout in the phase (default: "
+                                        "model.patch_dropout)")
+    lr: float | None = Field(None, gt=0, description="the phase's own schedule: warm-up to this rate, cosine to "
+                             "optim.min_lr_ratio of it at the phase's end; default: the run's schedule continues")
+    warmup_steps: int | None = Field(None, ge=0, description="the phase's own schedule's warm-up (from optim.lr "
+                                     "when lr is not given)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _same_batch(cls, v: Any) -> Any:
+        if isinstance(v, dict) and "batch_size" in v:
+            raise ValueError("batch_size: a phase keeps data.batch_size (the data stream's saved position, and so an "
+                             "exact resume, is tied to it): remove it, or train the phases as separate runs with "
+                             "model.pretrained=CHECKPOINT")
+        return v
+
+    @model_validator(mode="after")
+    def _length(self) -> PhaseConfig:
+        if (self.steps is None) == (self.share is None):
+            raise ValueError("give the phase exactly one of steps and share")
+        return self
+
+
 class TrainConfig(_Strict):
     epochs: float | None = Field(None, gt=0, description="epochs of data.num_samples; converted to steps")
     steps: int | None = Field(None, gt=0, description="optimizer steps; exclusive with epochs")
@@ -226,6 +257,9 @@ class TrainConfig(_Strict):
                                       "tokens (at most the context): few shapes for torch.compile, tensor-core sizes")
     ema: EMAConfig | None = Field(None, description="an exponential moving average of the trained weights, saved in "
                                   "each checkpoint, evaluated beside them, exported with --ema (DDP; not FSDP/DeepSpeed)")
+    phases: list[PhaseConfig] | None = Field(None, description="the run in phases, each its steps or share and any of "
+                                             "image_size, patch_dropout, its own lr schedule; a checkpoint at each "
+                                             "boundary (FLIP's unmasked phase, CLIPA's low-then-high resolution)")
 
     @field_validator("precision")
     @classmethod
@@ -243,6 +277,15 @@ class TrainConfig(_Strict):
     def _duration(self) -> TrainConfig:
         if (self.epochs is None) == (self.steps is None):
             raise ValueError("set exactly one of train.epochs and train.steps")
+        if self.phases:
+            by_steps = [p.steps is not None for p in self.phases]
+            if any(by_steps) and not all(by_steps):
+                raise ValueError("train.phases: give every phase steps, or every phase a share (not a mix)")
+            if all(by_steps) and sum(p.steps for p in self.phases) != self.steps:
+                raise ValueError(f"train.phases: the phases' steps sum to {sum(p.steps for p in self.phases)}; set "
+                                 f"train.steps to that (train.steps={self.steps}, train.epochs={self.epochs})")
+            if not any(by_steps) and abs(sum(p.share for p in self.phases) - 1) > 1e-6:
+                raise ValueError(f"train.phases: the shares sum to {sum(p.share for p in self.phases):g}, not 1")
         return self
 
 

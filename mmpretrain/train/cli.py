@@ -34,16 +34,43 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    try:
-        fit(run)
-    except FloatingPointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except StreamError as e:
-        print(f"error: {StreamError.line_of(e)}", file=sys.stderr)
-        return 1
-    except (DeviceDecodeError, CheckpointWriteError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    while True:  # train.phases: each phase set up again from its boundary's checkpoint, as a resume is
+        try:
+            summary = fit(run)
+        except FloatingPointError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except StreamError as e:
+            print(f"error: {StreamError.line_of(e)}", file=sys.stderr)
+            return 1
+        except (DeviceDecodeError, CheckpointWriteError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        if not summary.get("phase_end"):
+            break
+        release(run)
+        del run
+        cfg = cfg.model_copy(update={"resume": summary["checkpoint"]})  # not a resume= the run began from
+        try:
+            run = setup(cfg)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     run.accelerator.end_training()
     return 0
+
+
+def release(run) -> None:
+    """A finished phase's run let go before the next is set up: its trackers closed (the process group
+    stays), the accelerator's references to the model, optimizer and loader dropped, the memory collected."""
+    import gc
+
+    import torch
+
+    for tracker in run.accelerator.trackers:
+        tracker.finish()
+    run.accelerator.free_memory()
+    run.model = run.optimizer = run.loader = run.ema = run.task = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -62,9 +62,14 @@ class EMA:
         if missing:
             raise ValueError(f"{path} holds no average of {len(missing)} trained parameter(s), e.g. {missing[0]}: "
                              "it was written for another set of trained parameters")
+        from mmpretrain.train.phases import resize_positions
+
         with torch.no_grad():
             for n, s in zip(self.names, self.shadow):
-                s.copy_(saved[n].reshape(s.shape))
+                v = saved[n]
+                if n.endswith("visual.positional_embedding") and v.shape != s.shape:  # train.phases: a new grid
+                    v = resize_positions(v.float(), s.shape[0])
+                s.copy_(v.reshape(s.shape))
 
     @torch.no_grad()
     def encodings(self, model: nn.Module, images: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from mmpretrain.train.diagnostics import plot_run
 from mmpretrain.train.grad_cache import StepResult, forward_backward
 from mmpretrain.train.nonfinite import NonFinite, nonfinite_verdict, terms_text
 from mmpretrain.train.reports import all_ranks_skipped, diagnostics, evaluate, log_record
-from mmpretrain.train.schedule import lr_at
+from mmpretrain.train.schedule import run_lr
 from mmpretrain.train.state import Run
 
 
@@ -38,8 +38,7 @@ def train_step(run: Run, batch: Batch) -> StepResult:
     if run.nonfinite is None:
         run.nonfinite = NonFinite(acc, run.optimizer)
     guard = run.nonfinite
-    lr = lr_at(st.step, base_lr=cfg.optim.lr, warmup_steps=sched.warmup_steps, total_steps=sched.total_steps,
-               min_lr_ratio=cfg.optim.min_lr_ratio)
+    lr = run_lr(st.step, cfg, sched, run.phase)
     for group in run.optimizer.param_groups:  # optim.layer_decay: each group its own share of the rate
         group["lr"] = lr * group.get("lr_scale", 1.0)
     inputs = run.task.inputs(batch, st.step, acc, run.model)
@@ -93,7 +92,10 @@ def zero_terms(res: StepResult, ok: torch.Tensor | None = None) -> None:
 
 
 def fit(run: Run) -> dict[str, Any]:
+    """Train to the end of the run, or of its phase (``train.phases``): a boundary's checkpoint is taken, and
+    the summary says ``phase_end``; :func:`mmpretrain.train.cli.main` sets the next phase up from it."""
     cfg, acc, st, sched = run.cfg, run.accelerator, run.state, run.schedule
+    stop = run.phase.end if run.phase is not None else sched.total_steps
     run.model.train()
     bar = tqdm(total=sched.total_steps, initial=st.step, disable=not (acc.is_main_process and cfg.train.progress),
                desc="train", unit="step")
@@ -103,7 +105,7 @@ def fit(run: Run) -> dict[str, Any]:
     rec: dict[str, Any] = {}
     waited = 0.0  # seconds spent waiting for the loader since the last record (open_clip's data_time)
     try:
-        while st.step < sched.total_steps:
+        while st.step < stop:
             t_wait = time.perf_counter()
             batch = next(it)
             waited += time.perf_counter() - t_wait
@@ -115,7 +117,7 @@ def fit(run: Run) -> dict[str, Any]:
                 run.ema.update(st.step)
             st.samples += sched.global_batch_size
             bar.update(1)
-            end = st.step == sched.total_steps
+            end = st.step == stop  # the run's or its phase's last step: logged, evaluated, checkpointed
             diag = bool(sched.diagnostics_every) and (st.step % sched.diagnostics_every == 0 or end)
             log = st.step % cfg.train.log_every == 0 or end or diag
             evaluating = run.evaluator is not None and (st.step % cfg.eval.every == 0 or end)
@@ -143,10 +145,12 @@ def fit(run: Run) -> dict[str, Any]:
             it.close()
     bar.close()
     ckpt = checkpoint(run)
-    if run.log is not None and cfg.train.plots:
-        plot_run(run.log.records, run.histograms, run.files.plots)
     summary = {"steps": st.step, "samples": st.samples, "seconds": round(time.time() - t0, 1),
                "final": rec, "checkpoint": str(ckpt)}
+    if st.step < sched.total_steps:  # a phase boundary: the next phase is set up from this checkpoint
+        return dict(summary, phase_end=True)
+    if run.log is not None and cfg.train.plots:
+        plot_run(run.log.records, run.histograms, run.files.plots)
     if acc.is_main_process:
         print(json.dumps(summary))
     return summary

@@ -72,6 +72,9 @@ def evaluate(run: Run) -> dict[str, Any]:
     # back into dropout: the DualEncoder's train() puts it back in eval mode
     run.model.train()
     rec: dict[str, Any] = {"step": run.state.step}
+    if run.cfg.train.phases:  # each phase evaluates at its own resolution: the log says which
+        size = getattr(run.accelerator.unwrap_model(run.model).clip.visual, "image_size", None)
+        rec.update(phase=run.phase.index + 1, eval_image_size=size[0] if isinstance(size, tuple) else size)
     for e in entries:
         for k, v in e["metrics"].items():
             rec[f"eval/{e['dataset']}/{k}"] = v

@@ -47,6 +47,7 @@ from mmpretrain.train.inputs import (
     shard_sharing_note,
 )
 from mmpretrain.train.layer_decay import layer_decay_note
+from mmpretrain.train.phases import PositionResize, check_phases, phase_at, phase_config, resolve_phases
 from mmpretrain.train.schedule import param_groups
 from mmpretrain.train.state import Run, TrainState, numeric
 from mmpretrain.train.task import TrainingTask
@@ -160,12 +161,14 @@ def make_optimizer(cfg: ExperimentConfig, module: torch.nn.Module) -> torch.opti
 
 
 def write_run_files(files: RunFolder, cfg: ExperimentConfig, data: Data, model: Model, target_from: str,
-                    world_size: int, records: list[dict[str, Any]], largest: int) -> None:
+                    world_size: int, records: list[dict[str, Any]], largest: int, phases: list | None = None) -> None:
     """config.yaml (resolved), model_config.json, provenance.json (with the training data's manifests)
     and log.jsonl (the records kept from before a resume). Main process."""
     files.root.mkdir(parents=True, exist_ok=True)
     resolved = dict(asdict(data.schedule), targets=target_from, readers_per_rank=data.plan.workers,
                     dropped_per_epoch=data.plan.dropped_per_epoch, largest_matrix=largest)
+    if cfg.train.phases:  # train.phases: each phase's steps and settings, and model_config.json the current one's
+        resolved["phases"] = [p.record() for p in phases]
     files.config.write_text(to_yaml(cfg, resolved))
     files.write_model_config(model.model_cfg, model.preprocess_cfg)
     sources = [provenance_record(s.spec, s.manifest, s.num_samples, s.keep_record) for s in data.sources]
@@ -222,7 +225,10 @@ def setup(cfg: ExperimentConfig) -> Run:
             require_model(cfg.targets.model, "targets.model")
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    model = build_model(cfg, objective, sharded)
+    phases = resolve_phases(cfg, data.schedule.total_steps)
+    phase = phase_at(phases, saved["step"] if saved is not None else 0)
+    model = build_model(phase_config(cfg, phase), objective, sharded)  # at the phase's image size and dropout
+    check_phases(phases, model.module.clip.visual, cfg.model.arch, sharded)
     # the same initial weights on every rank (seeded above), then each rank its own random stream, so
     # that dropout and patch dropout draw different masks on different ranks (seed + rank)
     set_seed(cfg.seed, device_specific=True)
@@ -246,16 +252,24 @@ def setup(cfg: ExperimentConfig) -> Run:
         print(layer_decay_note(model.module, cfg.optim), file=sys.stderr)
     module, optimizer = acc.prepare(model.module, make_optimizer(cfg, model.module))
     objective.to(acc.device)
+    # a checkpoint of another phase's image size: its position embeddings resized as they load (train/phases.py)
+    resize = PositionResize(model.module.clip.visual) if any(p.image_size for p in phases) and saved else None
     ema = make_ema(cfg, acc, module, ckpt if saved is not None else None)
     target_encoder = load_target_encoder(cfg.targets.model, str(acc.device)) if target_from == "online" else None
     records = restore_state(acc, objective, state, files, ckpt, saved) if saved is not None else []
+    if resize is not None:
+        resize.optimizer(optimizer)
+        resize.close()
     acc.wait_for_everyone()
     if acc.is_main_process:
         largest = objective.largest_matrix(data.schedule.batch_size)
         label = " + ".join(getattr(objective, "names", None) or [getattr(objective, "name", "the objective")])
         print(f"note: {label} builds at most {largest:,} elements per matrix on a rank "
               f"({largest * 4 / 2**20:,.1f} MiB in fp32) at {data.schedule.batch_size} x {world} samples", file=sys.stderr)
-        write_run_files(files, cfg, data, model, target_from, world, records, largest)
+        write_run_files(files, cfg, data, model, target_from, world, records, largest, phases)
+        if cfg.train.phases:
+            done = f" ({', '.join(resize.done)}, as {ckpt.name} loaded)" if resize is not None and resize.done else ""
+            print(f"note: {phase.describe()}{done}", file=sys.stderr)
     acc.wait_for_everyone()
     evaluator = None
     if cfg.eval is not None:
@@ -267,7 +281,8 @@ def setup(cfg: ExperimentConfig) -> Run:
               log=JsonlLog(files.log, records) if acc.is_main_process else None, images=images, ema=ema,
               task=TrainingTask(objective, images, target_encoder, trims_text(model.module.clip),
                                 cfg.train.text_length_multiple, teacher_dims, ema,
-                                patch_dropout=PatchDraw.of(model.module.clip.visual, cfg.model.patch_dropout, cfg.seed)))
+                                patch_dropout=PatchDraw.of(model.module.clip.visual, phase.patch_dropout, cfg.seed)),
+              phase=phase)
     if cfg.train.log_with:
         hparams = {k: str(v) if isinstance(v, (list, dict)) else v
                    for k, v in flat_config(cfg.model_dump(mode="json")).items() if v is not None}

@@ -62,6 +62,17 @@ def lr_at(step: int, *, base_lr: float, warmup_steps: int, total_steps: int, min
     return floor + 0.5 * (base_lr - floor) * (1 + math.cos(math.pi * progress))
 
 
+def run_lr(step: int, cfg: ExperimentConfig, schedule: Schedule, phase=None) -> float:
+    """The learning rate of optimizer step ``step``: the run's schedule, or the phase's own (``train.phases``
+    with ``lr`` or ``warmup_steps``: warm-up and cosine over the phase's steps, :mod:`mmpretrain.train.phases`)."""
+    o = cfg.optim
+    if phase is None or not phase.own_schedule:
+        return lr_at(step, base_lr=o.lr, warmup_steps=schedule.warmup_steps, total_steps=schedule.total_steps,
+                     min_lr_ratio=o.min_lr_ratio)
+    return lr_at(step - phase.start, base_lr=o.lr if phase.lr is None else phase.lr,
+                 warmup_steps=phase.warmup_steps or 0, total_steps=phase.end - phase.start, min_lr_ratio=o.min_lr_ratio)
+
+
 def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | None = None) -> list[dict]:
     """AdamW's groups: decayed and not (open_clip's rule); with ``layer_decay`` one group per tower layer
     and decay, each with its ``lr_scale`` (:mod:`mmpretrain.train.layer_decay`)."""

@@ -73,6 +73,7 @@ class Run:
     nonfinite: Any = None  # the non-finite step guard (train/nonfinite.py), made by the first train_step
     ema: Any = None  # train.ema: the weights' moving average (train/ema.py)
     task: TrainingTask | None = None  # what a step feeds the model and the objective (train/task.py)
+    phase: Any = None  # train.phases: the phase this run trains (train/phases.py); None: one phase, the whole run
 
     def __post_init__(self):
         if self.task is None:  # the run's own parts
