@@ -62,7 +62,7 @@ def load_run_clip(run_dir: str | Path, device: str = "cpu", ema: bool = False) -
         want = getattr(clip.visual, "positional_embedding", None)
         if pos is not None and want is not None and pos.shape != want.shape:
             # train.phases: a boundary's checkpoint, of the previous phase's grid (open_clip's resize rule)
-            from mmpretrain.train.phases import resize_positions
+            from mmpretrain.models.positions import resize_positions
 
             state["visual.positional_embedding"] = resize_positions(pos.float(), want.shape[0]).to(pos.dtype)
         if lora is None:

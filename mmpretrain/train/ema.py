@@ -62,7 +62,7 @@ class EMA:
         if missing:
             raise ValueError(f"{path} holds no average of {len(missing)} trained parameter(s), e.g. {missing[0]}: "
                              "it was written for another set of trained parameters")
-        from mmpretrain.train.phases import resize_positions
+        from mmpretrain.models.positions import resize_positions
 
         with torch.no_grad():
             for n, s in zip(self.names, self.shadow):

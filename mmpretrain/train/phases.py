@@ -11,17 +11,15 @@ rule (:func:`open_clip.model.resize_pos_embed`: the class token's kept, the grid
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
-from open_clip.model import resize_pos_embed
 
 from mmpretrain.config import ConfigError, ExperimentConfig
+from mmpretrain.models.positions import grid_text, resize_positions
 
-__all__ = ["Phase", "PositionResize", "phase_at", "phase_config", "resize_positions", "resolve_phases"]
+__all__ = ["Phase", "PositionResize", "check_phases", "phase_at", "phase_config", "resolve_phases"]
 
 
 @dataclass(frozen=True)
@@ -124,19 +122,6 @@ def check_phases(phases: list[Phase], visual: torch.nn.Module, arch: str, sharde
                           "parallelism (configs/accelerate/8gpu.yaml), or keep one image size")
 
 
-def resize_positions(pos: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """``pos`` (1 + g*g, D) to ``num_tokens`` = 1 + G*G rows by open_clip's ``resize_pos_embed``."""
-    grid = math.isqrt(num_tokens - 1)
-    state = {"visual.positional_embedding": pos}
-    resize_pos_embed(state, SimpleNamespace(visual=SimpleNamespace(grid_size=(grid, grid))))
-    return state["visual.positional_embedding"]
-
-
-def _grid(rows: int) -> str:
-    g = math.isqrt(rows - 1)
-    return f"{g}x{g}"
-
-
 class PositionResize:
     """Resizes a ViT's position embeddings where a checkpoint of another grid loads into it: a
     ``load_state_dict`` pre-hook on the tower (the weights), then :meth:`optimizer` (AdamW's moments, the
@@ -152,7 +137,7 @@ class PositionResize:
         want = module.positional_embedding
         if have is not None and have.shape != want.shape:
             state_dict[key] = resize_positions(have.to(torch.float32), want.shape[0]).to(have.dtype)
-            self.done.append(f"position embeddings {_grid(have.shape[0])} -> {_grid(want.shape[0])}")
+            self.done.append(f"position embeddings {grid_text(have.shape[0])} -> {grid_text(want.shape[0])}")
 
     def optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         param = self.visual.positional_embedding

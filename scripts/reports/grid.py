@@ -43,6 +43,21 @@ def distill(clip_weight: float, teacher: str = "teacher") -> dict:
             "teacher": teacher}
 
 
+# The image tower's compute per sample against CLIP's, over 0.9 + 0.1 of the steps, from its tokens
+# (1 + 16 at 32 px; 1 + 8 at 50 % dropout; 1 + 4 at 16 px): its transformer's cost is linear in them at 17 tokens
+COMPUTE = {"flip50": 0.9 * 9 / 17 + 0.1, "lowres": 0.9 * 5 / 17 + 0.1}
+
+
+def flip(steps: int) -> dict:
+    return {"loss": [{"name": "clip"}], "model": {"patch_dropout": 0.5},
+            "train": {"steps": steps, "phases": [{"share": 0.9}, {"share": 0.1, "patch_dropout": 0.0}]}}
+
+
+def lowres(steps: int) -> dict:
+    return {"loss": [{"name": "clip"}], "train": {"steps": steps, "phases": [{"share": 0.9, "image_size": 16},
+                                                                             {"share": 0.1}]}}
+
+
 VARIANTS = {
     "clip": lambda steps: {"loss": [{"name": "clip"}]},
     "sigmoid": lambda steps: {"loss": [{"name": "sigmoid"}]},
@@ -72,6 +87,12 @@ VARIANTS = {
     "clip_resa_ema": lambda steps: {"loss": [{"name": "clip"}, {"name": "resa", "weight": 0.5,
                                                                  "options": {"encodings": "ema"}}],
                                     "train": {"ema": {"decay": 0.99}}},
+    # fewer image tokens (issue 63): FLIP 50 % with an unmasked last tenth, and CLIPA's 16 px (4 patches) for
+    # nine tenths then 32 px, at the grid's steps and at its image-tower compute (more steps: see COMPUTE)
+    "clip_flip50": lambda steps: flip(steps),
+    "clip_flip50_compute": lambda steps: flip(round(steps / COMPUTE["flip50"])),
+    "clip_lowres": lambda steps: lowres(steps),
+    "clip_lowres_compute": lambda steps: lowres(round(steps / COMPUTE["lowres"])),
     "lit": lambda steps: {"loss": [{"name": "clip"}],
                           "model": {"arch": "mmpt-tiny-vit-minilm", "lock_text": True, "text_from_targets": True,
                                     "overrides": {k: v for k, v in MODEL_OVERRIDES.items() if k != "text_cfg"}}},
