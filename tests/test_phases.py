@@ -102,7 +102,7 @@ def test_position_embeddings_are_resized_once_as_open_clip_resizes_them():
 
 
 RUN = [PHASES, "train.steps=6", "train.save_every=2", "train.keep_last=9", "data.batch_size=8", "data.num_workers=0",
-       "train.log_every=1"]
+       "train.log_every=1", "train.ema={decay: 0.5}"]  # the weight average's position embeddings resized too
 
 
 def test_a_phased_run_resumes_bit_for_bit_on_either_side_of_a_boundary(openmoji, tmp_path):
@@ -131,6 +131,9 @@ def test_a_phased_run_resumes_bit_for_bit_on_either_side_of_a_boundary(openmoji,
         assert r.stderr.count("position embeddings 2x2 -> 4x4") == (k <= 3), (k, r.stderr[-2000:])
         got = load_file(other / "checkpoints/step_00000006/model.safetensors")
         assert got.keys() == final.keys() and all(torch.equal(got[n], final[n]) for n in final), k
+        x, y = load_file(ckpts / "step_00000006/ema.safetensors"), load_file(other / "checkpoints/step_00000006/ema.safetensors")
+        assert x.keys() == y.keys() and all(torch.equal(x[n], y[n]) for n in x), k
+        assert x["clip.visual.positional_embedding"].shape == (17, 64)  # the average on the new grid
     # the export is at the last phase's resolution, and its preprocess config says so
     r = run_main("mmpretrain.export", str(run), "--out", str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr[-3000:]
