@@ -16,7 +16,7 @@ from mmpretrain.models import factory
 from mmpretrain.train.phases import PositionResize, phase_at, phase_config, resolve_phases
 from mmpretrain.train.schedule import Schedule, run_lr
 
-from conftest import CONFIG, run_main, train
+from conftest import CONFIG, MICRO, SHORT, launch, run_main, train
 
 PHASES = "train.phases=[{steps: 3, image_size: 16, patch_dropout: 0.5}, {steps: 3, lr: 2.0e-4, warmup_steps: 1}]"
 
@@ -142,6 +142,21 @@ def test_a_phased_run_resumes_bit_for_bit_on_either_side_of_a_boundary(openmoji,
     assert exported["preprocess_cfg"]["size"] in (32, [32, 32])
     resolved = (run / "config.yaml").read_text()
     assert "phases:" in resolved and "image_size: 16" in resolved
+
+
+def test_two_ranks_cross_a_boundary_and_resume_from_before_it_bit_for_bit(openmoji, tmp_path):
+    """Under DDP (2 gloo ranks) the next phase is set up again in every rank's process: the same weights as
+    a launch resumed from the checkpoint before the boundary."""
+    data, run = openmoji / "train", tmp_path / "run"
+    args = [*SHORT, *MICRO, *[a for a in RUN if not a.startswith("train.ema")], "data.num_workers=1"]
+    r = launch(run, data, *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("position embeddings 2x2 -> 4x4") == 1, r.stderr[-2000:]  # the main process says it once
+    r = launch(tmp_path / "resumed", data, *args, f"resume={run / 'checkpoints/step_00000002'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    a = load_file(run / "checkpoints/step_00000006/model.safetensors")
+    b = load_file(tmp_path / "resumed/checkpoints/step_00000006/model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_phase_refusals_are_one_line(openmoji, tmp_path):

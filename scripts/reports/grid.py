@@ -53,9 +53,9 @@ def flip(steps: int) -> dict:
             "train": {"steps": steps, "phases": [{"share": 0.9}, {"share": 0.1, "patch_dropout": 0.0}]}}
 
 
-def lowres(steps: int) -> dict:
-    return {"loss": [{"name": "clip"}], "train": {"steps": steps, "phases": [{"share": 0.9, "image_size": 16},
-                                                                             {"share": 0.1}]}}
+def lowres(steps: int, rewarm: bool = False) -> dict:
+    last = {"share": 0.1, **({"warmup_steps": 10} if rewarm else {})}
+    return {"loss": [{"name": "clip"}], "train": {"steps": steps, "phases": [{"share": 0.9, "image_size": 16}, last]}}
 
 
 VARIANTS = {
@@ -93,6 +93,10 @@ VARIANTS = {
     "clip_flip50_compute": lambda steps: flip(round(steps / COMPUTE["flip50"])),
     "clip_lowres": lambda steps: lowres(steps),
     "clip_lowres_compute": lambda steps: lowres(round(steps / COMPUTE["lowres"])),
+    # the same with the 32 px phase's own schedule (10 warm-up steps to optim.lr, cosine), as CLIPA fine-tunes: the
+    # run's schedule leaves its last tenth under 3 % of the peak rate to adapt to 16 tokens from 4
+    "clip_lowres_rewarm": lambda steps: lowres(steps, rewarm=True),
+    "clip_lowres_rewarm_compute": lambda steps: lowres(round(steps / COMPUTE["lowres"]), rewarm=True),
     "lit": lambda steps: {"loss": [{"name": "clip"}],
                           "model": {"arch": "mmpt-tiny-vit-minilm", "lock_text": True, "text_from_targets": True,
                                     "overrides": {k: v for k, v in MODEL_OVERRIDES.items() if k != "text_cfg"}}},
