@@ -58,13 +58,12 @@ def load_run_clip(run_dir: str | Path, device: str = "cpu", ema: bool = False) -
             for name, v in avg.items():
                 key = name.removeprefix("clip.")
                 state[key] = v.reshape(state[key].shape) if key in state else v
-        pos = state.get("visual.positional_embedding")
         want = getattr(clip.visual, "positional_embedding", None)
-        if pos is not None and want is not None and pos.shape != want.shape:
-            # train.phases: a boundary's checkpoint, of the previous phase's grid (open_clip's resize rule)
-            from mmpretrain.models.positions import resize_positions
+        if "visual.positional_embedding" in state and want is not None:
+            # train.phases: a boundary's checkpoint is on the previous phase's grid (open_clip's resize rule)
+            from mmpretrain.models.positions import fit_positions
 
-            state["visual.positional_embedding"] = resize_positions(pos.float(), want.shape[0]).to(pos.dtype)
+            state["visual.positional_embedding"] = fit_positions(state["visual.positional_embedding"], want.shape[0])
         if lora is None:
             clip.load_state_dict(state, strict=True)
         else:  # model.lora: the adapters merged into the weights, the plain architecture back

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import torch
 from open_clip.model import resize_pos_embed
 
-__all__ = ["grid_text", "resize_positions"]
+__all__ = ["fit_positions", "grid_text", "resize_positions"]
 
 
 def resize_positions(pos: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -20,6 +20,13 @@ def resize_positions(pos: torch.Tensor, num_tokens: int) -> torch.Tensor:
     state = {"visual.positional_embedding": pos}
     resize_pos_embed(state, SimpleNamespace(visual=SimpleNamespace(grid_size=(grid, grid))))
     return state["visual.positional_embedding"]
+
+
+def fit_positions(pos: torch.Tensor, rows: int) -> torch.Tensor:
+    """``pos`` itself when it has ``rows`` rows, else resized to them (in fp32, back in its dtype)."""
+    if pos.shape[0] == rows:
+        return pos
+    return resize_positions(pos.float(), rows).to(pos.dtype)
 
 
 def grid_text(rows: int) -> str:

@@ -62,13 +62,13 @@ class EMA:
         if missing:
             raise ValueError(f"{path} holds no average of {len(missing)} trained parameter(s), e.g. {missing[0]}: "
                              "it was written for another set of trained parameters")
-        from mmpretrain.models.positions import resize_positions
+        from mmpretrain.models.positions import fit_positions
 
         with torch.no_grad():
             for n, s in zip(self.names, self.shadow):
                 v = saved[n]
-                if n.endswith("visual.positional_embedding") and v.shape != s.shape:  # train.phases: a new grid
-                    v = resize_positions(v.float(), s.shape[0])
+                if n.endswith("visual.positional_embedding"):  # train.phases: maybe saved on another grid
+                    v = fit_positions(v, s.shape[0])
                 s.copy_(v.reshape(s.shape))
 
     @torch.no_grad()

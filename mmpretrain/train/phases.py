@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from mmpretrain.config import ConfigError, ExperimentConfig
-from mmpretrain.models.positions import grid_text, resize_positions
+from mmpretrain.models.positions import fit_positions, grid_text
 
 __all__ = ["Phase", "PositionResize", "check_phases", "phase_at", "phase_config", "resolve_phases"]
 
@@ -136,7 +136,7 @@ class PositionResize:
         have = state_dict.get(key)
         want = module.positional_embedding
         if have is not None and have.shape != want.shape:
-            state_dict[key] = resize_positions(have.to(torch.float32), want.shape[0]).to(have.dtype)
+            state_dict[key] = fit_positions(have, want.shape[0])
             self.done.append(f"position embeddings {grid_text(have.shape[0])} -> {grid_text(want.shape[0])}")
 
     def optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -145,7 +145,7 @@ class PositionResize:
         for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
             moment = state.get(name)
             if isinstance(moment, torch.Tensor) and moment.shape != param.shape:
-                new = resize_positions(moment.float(), param.shape[0]).to(moment.dtype)
+                new = fit_positions(moment, param.shape[0])
                 state[name] = new.clamp_min(0) if name != "exp_avg" else new
 
     def close(self) -> None:

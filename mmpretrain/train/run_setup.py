@@ -253,7 +253,7 @@ def setup(cfg: ExperimentConfig) -> Run:
     module, optimizer = acc.prepare(model.module, make_optimizer(cfg, model.module))
     objective.to(acc.device)
     # a checkpoint of another phase's image size: its position embeddings resized as they load (train/phases.py)
-    resize = PositionResize(model.module.clip.visual) if any(p.image_size for p in phases) and saved else None
+    resize = PositionResize(model.module.clip.visual) if any(p.image_size for p in phases) and saved is not None else None
     ema = make_ema(cfg, acc, module, ckpt if saved is not None else None)
     target_encoder = load_target_encoder(cfg.targets.model, str(acc.device)) if target_from == "online" else None
     records = restore_state(acc, objective, state, files, ckpt, saved) if saved is not None else []
