@@ -51,6 +51,7 @@ use only APIs present in both the device image's torch 2.11 / torchvision 0.26 a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -60,7 +61,9 @@ from pathlib import Path
 
 # siblings (the script's folder is on sys.path, as for any script run by path)
 from gpu_common import ROOT
-from gpu_engines import ENGINES, engine_smoke
+from gpu_engines import ENGINES, STAGES, engine_smoke
+from gpu_preflight import preflight
+from gpu_runner import FAULT_KINDS, POISONED, Recorder, healthy, lookup, save, supervise, watched
 from gpu_sections import (
     crop_stage_section,
     jpeg_faults_section,
@@ -71,120 +74,150 @@ from gpu_sections import (
     step_section,
 )
 
-# ------------------------------------------------------------------------------------------------- main
+# ------------------------------------------------------------------------------------------------- plan
 
-SECTIONS = ("step", "jpeg_faults", "crop_stage", "loss_memory", "precision", "engines", "kmeans")  # by value: what only a GPU shows first
-# seconds each section is expected to take on one H200 at the defaults (the run's own budget check;
-# gpu.json records what each took, to correct these): 240 s in all, the budget. step: ~25 s fixed-batch,
-# ~20 s to make 36,864 photos (5.2 ms each on one core here, 16 processes there), 3 sides x (~8 s set-up
-# + 138 steps at 1,300-2,000 images/s from 8 workers)
-ESTIMATE_S = {"step": 130, "jpeg_faults": 5, "crop_stage": 10, "loss_memory": 10, "precision": 10, "engines": 60,
-              "kmeans": 15}
-MEASUREMENTS_E2E = ("photos", "ours_decode_worker", "ours_decode_device", "open_clip_train")
+SECTIONS = ("loss_memory", "precision", "kmeans", "crop_stage", "step", "jpeg_faults", "engines")
+E2E = ("photos", "ours_decode_worker", "ours_decode_device", "open_clip_train")
+LAUNCH_S = 15  # one cold ``accelerate launch`` (or eval/export) on the device: imports, CUDA and NCCL start
+WORKER_S = 10  # one worker process: torch, mmpretrain and a CUDA context
+# seconds each measurement is expected to take on one H100/H200 at the defaults (gpu.json records what
+# each took; docs/scale.md sets them beside the CPU rehearsal's). The end-to-end sides: ~8 s set-up +
+# 138 steps x 256 photos at 1,300-2,000 images/s from 8 workers; the photos: 36,864 at 5.2 ms each on
+# one core here, 16 processes there
+ESTIMATE_S = {"preflight": 10, "loss_memory": 10, "precision": 10, "kmeans": 15, "crop_stage": 10,
+              "step.fixed_batch": 25, "jpeg_faults": 5, "step.end_to_end.photos": 20,
+              "step.end_to_end.ours_decode_worker": 35, "step.end_to_end.ours_decode_device": 35,
+              "step.end_to_end.open_clip_train": 35,
+              **{f"engines.{e}": LAUNCH_S * len(STAGES[e]) for e in ENGINES}}
 # TF32 per section: the step and the data path as users train (the trainer turns it on on a GPU, as
-# open_clip_train does); the comparisons against fp32 in true fp32
-TF32 = {"step": True, "jpeg_faults": True, "crop_stage": True, "loss_memory": False, "precision": False,
-        "engines": None, "kmeans": False}  # engines: each launch's trainer sets its own
+# open_clip_train does); the comparisons against fp32 in true fp32; engines: each launch's trainer
+TF32 = {"preflight": False, "step": True, "jpeg_faults": True, "crop_stage": True, "loss_memory": False,
+        "precision": False, "engines": None, "kmeans": False}
 VERSIONED = ("torch", "torchvision", "transformers", "accelerate", "open_clip_torch", "webdataset", "pydantic",
              "deepspeed", "timm", "scikit-learn", "scikit-image", "typing_extensions", "numpy")
 
 
-class Recorder:
-    """gpu.json as it grows: each measurement runs on its own, and its result -- or its error with the
-    traceback's last frames -- is written the moment it exists, so one failure takes nothing else with
-    it and a run cut short keeps what it measured. ``fault``: a measurement (``section.name``) that
-    raises at its start instead of running (the rehearsal's injected failure)."""
-
-    def __init__(self, result: dict, path: Path, fault: str | None = None):
-        self.result, self.path, self.fault, self.failed = result, path, fault, []
-
-    def put(self, section: str, name: str | None, value: dict) -> dict:
-        node = self.result["sections"].setdefault(section, {})
-        if name is None:
-            node.update(value)
-        else:
-            *parents, leaf = name.split(".")
-            for part in parents:
-                node = node.setdefault(part, {})
-            node[leaf] = value
-        save(self.result, self.path)
-        return value
-
-    def run(self, section: str, name: str | None, fn, *a, **kw) -> dict:
-        key = f"{section}.{name}" if name else section
-        t0 = time.perf_counter()
-        try:
-            if key == self.fault:
-                raise RuntimeError(f"fault injected at {key} (--fault)")
-            out = fn(*a, **kw)
-            out = out if isinstance(out, dict) else {"value": out}
-        except Exception as e:  # the error is the result; the other measurements go on
-            import traceback
-
-            traceback.print_exc()
-            frames = traceback.extract_tb(e.__traceback__)[-4:]
-            out = {"error": f"{type(e).__name__}: {e}"[:2000],
-                   "traceback": [f"{Path(f.filename).name}:{f.lineno} in {f.name}: {f.line}" for f in frames]}
-            self.failed.append(key)
-        out["seconds"] = round(time.perf_counter() - t0, 1)
-        if name is not None:  # a whole section's line is main's
-            print(f"{key}: {'FAILED, ' if 'error' in out else ''}{out['seconds']} s -> {self.path}", flush=True)
-        return self.put(section, name, out)
+def plan(args) -> list[list[str]]:
+    """The measurements in order, one list per worker process: the cheap in-process ones first; then what
+    can fault the CUDA context (the JPEG probe) alone; the end-to-end sides (loader workers); the engine
+    launches last."""
+    e2e = [f"step.end_to_end.{m}" for m in E2E] if args.e2e_steps else []
+    groups = [["loss_memory", "precision", "kmeans", "crop_stage", "step.fixed_batch"], ["jpeg_faults"], e2e,
+              [f"engines.{e}" for e in args.engines]]
+    return [g for g in ([k for k in group if k.split(".")[0] in args.sections] for group in groups) if g]
 
 
-def end_to_end_measurements(rec: Recorder, args, device, peak: float | None) -> None:
-    """The step section's end-to-end part: the photos, then each side as its own measurement."""
-    from gpu_end_to_end import images_needed, open_clip_side, ours_side, photo_shards, summary
+def estimate(args) -> float:
+    """The plan's seconds by the estimates, its worker starts and the preflight included."""
+    groups = plan(args)
+    return ESTIMATE_S["preflight"] + WORKER_S * (len(groups) + 1) + sum(ESTIMATE_S[k] for g in groups for k in g)
 
-    B, W = args.batch_size, args.e2e_workers or max(1, min(8, (os.cpu_count() or 2) - 2))
-    n = images_needed(B, W, args.e2e_steps, args.e2e_images)
-    with tempfile.TemporaryDirectory() as tmp:
-        photos = Path(tmp) / "photos"
+
+def limit(key: str, args) -> float:
+    """The watchdog's limit for one measurement: 4x its estimate, at least a minute (--watchdog S for every
+    measurement, --watchdog KEY=S for one)."""
+    own = dict(w.split("=", 1) for w in args.watchdog if "=" in w)
+    every = [w for w in args.watchdog if "=" not in w]
+    return float(own.get(key) or (every[-1] if every else max(60.0, 4.0 * ESTIMATE_S[key])))
+
+
+# ------------------------------------------------------------------------------------------------ worker
+
+def measurement(key: str, args, device, data: Path, work: Path):
+    """What measurement ``key`` runs, as a callable of no arguments."""
+    from gpu_end_to_end import images_needed, open_clip_side, ours_side, photo_shards
+
+    simple = {"loss_memory": loss_memory_section, "precision": precision_section, "kmeans": kmeans_section,
+              "crop_stage": crop_stage_section, "jpeg_faults": jpeg_faults_section, "preflight": preflight}
+    if key in simple:
+        return lambda: simple[key](args, device)
+    if key == "step.fixed_batch":
+        return lambda: step_section(args, device, data)
+    if key.startswith("engines."):
+        return lambda: engine_smoke(key.split(".")[1], args, data, work / "engines")
+    B, W = args.batch_size, e2e_workers(args)
+    photos = work / "photos"
+    if key == "step.end_to_end.photos":
+        n = images_needed(B, W, args.e2e_steps, args.e2e_images)
 
         def make() -> dict:
             photo_shards(photos, n, B)
+            (photos / ".complete").touch()
             return {"images": n, "workers": W, "batch_size": B, "image_size": 224, "model": args.model}
+        return make
 
-        if "error" in rec.run("step", "end_to_end.photos", make):
-            return
-        sides = {}
-        for decode in ("worker", "device"):
-            sides[f"ours_decode_{decode}"] = rec.run("step", f"end_to_end.ours_decode_{decode}", ours_side, args,
-                                                     device, photos, decode, W, Path(tmp))
-        sides["open_clip_train"] = rec.run("step", "end_to_end.open_clip_train", open_clip_side, args, device,
-                                           photos, W)
-        rec.put("step", "end_to_end.summary", summary(sides, B, peak))
+    def side() -> dict:
+        if not (photos / ".complete").exists():
+            raise RuntimeError("no photos: step.end_to_end.photos did not finish")
+        if key.endswith("open_clip_train"):
+            return open_clip_side(args, device, photos, W)
+        return ours_side(args, device, photos, key.rsplit("_", 1)[1], W, work / "tmp")
+    return side
 
 
-def run_section(rec: Recorder, section: str, args, device, data: Path) -> None:
+def e2e_workers(args) -> int:
+    return args.e2e_workers or max(1, min(8, (os.cpu_count() or 2) - 2))
+
+
+def worker(args, keys: list[str], path: Path, work: Path) -> int:
+    """Runs ``keys`` in this process, each under the watchdog, skipping one whose estimate would end past
+    the deadline (on CUDA); exits POISONED when a failure left the context unusable."""
+    import gc
+
+    import torch
+
     from mmpretrain.train.engine import tf32, tf32_state
 
-    want = TF32[section] and device.type == "cuda" if TF32[section] is not None else None
-    with tf32(want) if want is not None else _nothing():
-        rec.put(section, None, {"tf32": tf32_state() if want is not None else "each launch's trainer"})
-        if section == "step":
-            fixed = rec.run("step", "fixed_batch", step_section, args, device, data)
-            if args.e2e_steps:  # after the fixed-batch models are freed
-                end_to_end_measurements(rec, args, device, fixed.get("peak_tflops") or
-                                        peak_tflops(device, args.peak_tflops)[0])
-        elif section == "engines":
-            with tempfile.TemporaryDirectory() as work:
-                for engine in args.engines:
-                    res = rec.run("engines", engine, engine_smoke, engine, args, data, Path(work))
-                    if "error" not in res and not res["ok"]:
-                        rec.failed.append(f"engines.{engine}")
-        else:
-            fn = {"jpeg_faults": jpeg_faults_section, "crop_stage": crop_stage_section,
-                  "loss_memory": loss_memory_section, "precision": precision_section, "kmeans": kmeans_section}
-            rec.run(section, None, fn[section], args, device)
+    device = torch.device(args.device)
+    rec = Recorder(json.loads(path.read_text()), path, args.fault)
+    for key in keys:
+        section = key.split(".")[0]
+        if device.type == "cuda" and time.time() + ESTIMATE_S[key] > args.deadline:
+            left = args.deadline - time.time()
+            print(f"{key}: skipped (estimated {ESTIMATE_S[key]} s, {left:.0f} s of the budget left)", flush=True)
+            rec.put(section, key.partition(".")[2] or None,
+                    {"skipped": f"estimated {ESTIMATE_S[key]} s, {left:.0f} s of the budget left"})
+            continue
+        gc.collect()
+        if device.type == "cuda":  # each measurement starts from an empty allocator and a fresh peak
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        want = TF32[section] and device.type == "cuda" if TF32[section] is not None else None
+        with tf32(want) if want is not None else contextlib.nullcontext():
+            if "tf32" not in rec.result["sections"].get(section, {}) and section != "preflight":
+                rec.put(section, None, {"tf32": tf32_state() if want is not None else "each launch's trainer"})
+            res = watched(rec, key, limit(key, args), work / "stacks", work / "current.json",
+                          measurement(key, args, device, Path(args.data), work))
+        if "error" in res and not healthy():
+            print(f"{key}: the process can no longer run torch; a fresh one takes the rest", flush=True)
+            return POISONED
+    return 0
 
 
-class _nothing:
-    def __enter__(self):
-        return None
+# ------------------------------------------------------------------------------------------------- main
 
-    def __exit__(self, *exc):
-        return False
+def finish(result: dict, args, notes: list[str]) -> None:
+    """What the supervisor adds once every worker is done: the end-to-end summary, each section's
+    seconds (its measurements' sum) and the restarts."""
+    from gpu_end_to_end import summary
+
+    sections = result["sections"]
+    e2e = sections.get("step", {}).get("end_to_end")
+    if e2e:
+        fixed = sections["step"].get("fixed_batch", {})
+        peak = fixed.get("peak_tflops") if isinstance(fixed, dict) else None
+        if peak is None and args.device.startswith("cuda"):
+            import torch
+
+            peak = peak_tflops(torch.device(args.device), args.peak_tflops)[0]
+        e2e["summary"] = summary({k: v for k, v in e2e.items() if k != "photos"}, args.batch_size, peak)
+    for section in {k.split(".")[0] for g in result["plan"] for k in g}:
+        keys = [k for g in result["plan"] for k in g if k.split(".")[0] == section]
+        got = [lookup(result, k) for k in keys]
+        if "." in keys[0]:  # a section of several measurements: theirs summed
+            sections[section]["seconds"] = round(sum((g or {}).get("seconds") or 0 for g in got), 1)
+    result["seconds"] = {k: v.get("seconds") for k, v in sections.items()}
+    result["restarts"] = notes
 
 
 def versions() -> dict:
@@ -205,14 +238,7 @@ def versions() -> dict:
     return out
 
 
-def save(result: dict, path: Path) -> None:
-    """gpu.json, replaced whole (a run cut short keeps the sections it finished)."""
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(path)
-
-
-def main() -> int:
+def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, help="a built, embedded dataset folder (train/, test/)")
     p.add_argument("--out", default=str(ROOT / "bench_results"))
@@ -226,8 +252,12 @@ def main() -> int:
                    help="photo JPEGs made for the end-to-end steps, at least (default: what one epoch of warm-up + "
                         "timed steps needs)")
     p.add_argument("--e2e-workers", type=int, default=0, help="loader workers (0: cores - 2, at most 8)")
-    p.add_argument("--budget", type=float, default=240.0,
-                   help="seconds: a section whose estimate would end past it is skipped (and says so)")
+    p.add_argument("--budget", type=float, default=BUDGET_S,
+                   help="seconds: a measurement whose estimate would end past it is skipped (and says so); "
+                        "bench_gpu.sh derives it from the device's command limit")
+    p.add_argument("--watchdog", action="append", default=[], metavar="[KEY=]S",
+                   help="seconds a measurement (KEY=S: that one) may take before its stack is dumped and it is "
+                        "abandoned (default: 4x its estimate, at least 60)")
     p.add_argument("--loss-batch", type=int, default=65536)
     p.add_argument("--precision-batch", type=int, default=4096)
     p.add_argument("--kmeans-rows", type=int, default=16384)
@@ -236,64 +266,85 @@ def main() -> int:
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of the device (default: by name)")
     p.add_argument("--engines", nargs="+", choices=list(ENGINES), default=["fsdp", "deepspeed"],
-                   help="engine smoke runs (default fsdp deepspeed: 6 cold launches, ~60 s; the step section "
-                        "already trains under plain accelerate on the GPU)")
+                   help="engine smoke runs (default fsdp deepspeed: 7 cold launches; the step section already "
+                        "trains under plain accelerate on the GPU)")
     p.add_argument("--engine-wrapper", default=None, help="script the FSDP/DeepSpeed launches run through")
     p.add_argument("--stage-timeout", type=int, default=300)
-    p.add_argument("--fault", default=None, metavar="SECTION[.MEASUREMENT]",
-                   help="raise at the start of this measurement (the rehearsal's injected failure), e.g. "
-                        "step.end_to_end.ours_decode_device")
-    args = p.parse_args()
-    known = [*(s for s in SECTIONS if s not in ("step", "engines")), "step.fixed_batch", *(f"step.end_to_end.{m}" for m in MEASUREMENTS_E2E),
-             *(f"engines.{e}" for e in ENGINES)]
-    if args.fault is not None and args.fault not in known:
-        print(f"error: --fault {args.fault} names no measurement; one of: {', '.join(known)}", file=sys.stderr)
-        return 2
-    data = Path(args.data)
+    p.add_argument("--fault", action="append", default=[], metavar="KEY[:KIND]",
+                   help=f"make this measurement fail (the rehearsal's injections), KIND one of {', '.join(FAULT_KINDS)} "
+                        "(default raise), e.g. step.end_to_end.ours_decode_device or jpeg_faults:context")
+    p.add_argument("--worker", nargs="+", default=None, help=argparse.SUPPRESS)  # the supervisor's
+    p.add_argument("--work", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+BUDGET_S = 510  # bench_gpu.sh's figure for a 600 s command limit (30 s to hand back, ~15 s install, 45 s grace)
+
+
+def main() -> int:
+    args = parse()
+    out, data = Path(args.out), Path(args.data)
+    path = out / "gpu.json"
+    if args.worker:
+        return worker(args, args.worker, path, Path(args.work))
+    known = ["preflight", *ESTIMATE_S.keys() - {"preflight"}]
+    for fault in args.fault:
+        key, _, kind = fault.partition(":")
+        if key not in known or (kind and kind not in FAULT_KINDS):
+            print(f"error: --fault {fault} names no measurement and kind; one of: {', '.join(sorted(known))}, "
+                  f"each optionally with :{'|:'.join(FAULT_KINDS)}", file=sys.stderr)
+            return 2
+    for w in args.watchdog:
+        key, _, value = w.rpartition("=")
+        if (key and key not in known) or not value.replace(".", "", 1).isdigit():
+            print(f"error: --watchdog {w}: give seconds, or KEY=seconds with KEY one of {', '.join(sorted(known))}",
+                  file=sys.stderr)
+            return 2
     missing = [s for s in ("train", "test") if not (data / s).is_dir()]
     if missing:
         print(f"error: {data} has no {' or '.join(missing)}/ folder; build one with `make gpu-bundle` "
               "(or data_tools build + embed)", file=sys.stderr)
         return 2
-    import torch
-
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("error: no CUDA device (use --device cpu for the smoke path)", file=sys.stderr)
-        return 2
-    if device.type == "cpu":
-        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    out = Path(args.out)
     if out.exists() and not out.is_dir():
         print(f"error: --out {out} is a file; give a folder (gpu.json is written into it)", file=sys.stderr)
         return 2
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("error: no CUDA device (use --device cpu for the smoke path)", file=sys.stderr)
+        return 2
+    if args.device == "cpu":
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     out.mkdir(parents=True, exist_ok=True)
-    result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    groups = plan(args)
+    result: dict = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                     "torch": torch.__version__, "versions": versions(), "command": " ".join(sys.argv),
-                    "estimate_s": {k: ESTIMATE_S[k] for k in args.sections}, "sections": {}}
+                    "plan": groups, "estimate_s": {k: ESTIMATE_S[k] for g in [["preflight"], *groups] for k in g},
+                    "estimated_total_s": estimate(args), "budget_s": args.budget, "sections": {}}
     print("versions: " + ", ".join(f"{k} {v['version']} ({v['from']})" for k, v in result["versions"].items() if v),
           flush=True)
-    print(f"sections {' '.join(args.sections)}: estimated {sum(result['estimate_s'].values())} s on one H200 "
+    print(f"plan: {' | '.join(' '.join(g) for g in groups)}; estimated {estimate(args):.0f} s on one H100/H200 "
           f"(budget {args.budget:.0f} s)", flush=True)
-    path = out / "gpu.json"
-    save(result, path)  # the versions, before any section can fail
-    rec = Recorder(result, path, args.fault)
-    start = time.perf_counter()
-    for section in sorted(args.sections, key=SECTIONS.index):
-        t0 = time.perf_counter()
-        if device.type == "cuda" and t0 - start + ESTIMATE_S[section] > args.budget:
-            rec.put(section, None, {"skipped": f"estimated {ESTIMATE_S[section]} s would end past the "
-                                               f"{args.budget:.0f} s budget at {t0 - start:.0f} s"})
-            print(f"{section}: skipped ({result['sections'][section]['skipped']})", flush=True)
-            continue
-        run_section(rec, section, args, device, data)
-        rec.put(section, None, {"seconds": round(time.perf_counter() - t0, 1)})
-        failed = "FAILED, " if "error" in result["sections"][section] else ""
-        print(f"{section}: {failed}{result['sections'][section]['seconds']} s -> {path}", flush=True)
-    result["seconds"] = {k: v.get("seconds") for k, v in result["sections"].items()}
+    save(result, path)  # the versions, before anything can fail
+    start, notes = time.time(), []
+    with tempfile.TemporaryDirectory() as work:
+        base = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--work", work,
+                "--deadline", str(start + args.budget)]
+        limits = {k: limit(k, args) for k in ESTIMATE_S}
+        failed = supervise([["preflight"], *groups], lambda keys: [*base, "--worker", *keys], path, Path(work),
+                           limits, notes)
+    result = json.loads(path.read_text())
+    pre = result["sections"].pop("preflight", {})
+    result["preflight"] = {k: v for k, v in pre.items() if k != "seconds"}
+    for name, line in result["preflight"].items():
+        print(f"preflight {name}: {line}", flush=True)
+    failed = [k for k in failed if k != "preflight"]
+    failed += [f"preflight.{k}" for k, v in result["preflight"].items() if str(v).startswith("error")]
+    finish(result, args, notes)
     save(result, path)
-    if rec.failed:
-        print(f"error: failed: {', '.join(rec.failed)} (the rest measured; see {path})", file=sys.stderr)
+    if failed:
+        print(f"error: failed: {', '.join(failed)} (the rest measured; see {path})", file=sys.stderr)
         return 1
     return 0
 
