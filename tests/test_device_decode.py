@@ -265,3 +265,29 @@ def test_a_shard_where_no_image_decodes_trains_on_the_device_path(tmp_path):
     # every good image but the 4 batches' anchors decoded on the device; the workers, looking for an anchor,
     # met the bad shard's JPEGs first (unshuffled) and skipped them
     assert last["skipped"]["device_decoded"] == 32 - 4, last
+
+
+def test_a_step_sends_the_device_only_contiguous_host_tensors_from_pinned_memory(openmoji_jpg, tmp_path, monkeypatch):
+    """Every host tensor a non-logging step sends to the device (batch, trimmed tokens, the device
+    decoder's boxes and slots, the patch-dropout mask) is recorded: each is contiguous (a copy from a
+    view goes through pageable memory, which on CUDA makes the stream wait for the host), and the
+    loader is asked to pin its batches where the device is CUDA (on a CPU nothing can be pinned)."""
+    import mmpretrain.train.run_setup as run_setup
+    from mmpretrain.testing.copies import CopyAudit
+    from mmpretrain.train import train_step
+    from mmpretrain.train.inputs import pins
+
+    assert pins(torch.device("cuda")) and not pins(torch.device("cpu"))
+    monkeypatch.setattr(run_setup, "pins", lambda device: True)  # as on CUDA: the request reaches the loader
+    run = setup_run(openmoji_jpg / "train", tmp_path / "run", "data.decode=device", "model.patch_dropout=0.5",
+                    "data.num_workers=0", "train.log_every=100", "data.batch_size=16", "train.steps=5",
+                    "model.lock_text=false", "model.text_from_targets=false", "model.arch=mmpt-tiny-vit")
+    assert run.task.trim_text
+    assert run.loader.pin_memory
+    batch = next(iter(run.loader))
+    assert batch.jpeg is not None and int(batch.tokens.ne(0).sum(1).max()) < batch.tokens.shape[1]  # trims
+    with CopyAudit() as audit:
+        train_step(run, batch)
+    sent = {c.caller.rsplit("/", 1)[1].split(":")[0] for c in audit.copies}
+    assert {"task.py", "image_input.py", "device_decode.py"} <= sent, audit.copies
+    assert all(c.contiguous for c in audit.copies), [c for c in audit.copies if not c.contiguous]

@@ -42,6 +42,7 @@ from mmpretrain.data.batch import Batch
 from mmpretrain.data.crop import Box, ResizedCrop
 from mmpretrain.data.jpeg import FILL, TruncatedJpeg, tail_box
 from mmpretrain.data.resample import crop_resize, pad
+from mmpretrain.data.transfer import to_device
 
 
 class DeviceDecodeError(RuntimeError):
@@ -170,7 +171,7 @@ class DeviceDecoder:
         padded = pad(images)
         self._put(out, slots, crop_resize(padded, boxes, self.crop.size, self.crop.interpolation))
         sizes = torch.tensor([img.shape[-2:] for img in images], dtype=torch.long)  # host: Python ints
-        return _grey_tail(padded, sizes.to(self.device, non_blocking=True))
+        return _grey_tail(padded, to_device(sizes, self.device))
 
     def _crop_each(self, out: torch.Tensor, images: list[torch.Tensor], boxes: list[list[int]],
                    slots: torch.Tensor) -> torch.Tensor:
@@ -191,7 +192,7 @@ class DeviceDecoder:
 
     def _place(self, out: torch.Tensor, images: torch.Tensor, slots: torch.Tensor | None) -> None:
         """(n, H, W, 3) uint8 host images into ``out`` at ``slots`` (None: all of them), normalised."""
-        x = images.to(self.device, non_blocking=True).permute(0, 3, 1, 2).to(torch.float32)
+        x = to_device(images, self.device).permute(0, 3, 1, 2).to(torch.float32)
         self._put(out, slots, x)
 
     def _put(self, out: torch.Tensor, slots: torch.Tensor | None, pixels: torch.Tensor) -> None:
@@ -202,7 +203,7 @@ class DeviceDecoder:
         if slots is None:
             out.copy_(pixels)
         else:
-            out.index_copy_(0, slots.to(self.device, non_blocking=True), pixels)
+            out.index_copy_(0, to_device(slots, self.device), pixels)
 
     def _decode(self, blobs: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """(3, h, w) uint8 on the device per blob; None where the device decoder refuses it. A batch that

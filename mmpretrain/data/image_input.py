@@ -16,6 +16,7 @@ import torch
 
 from mmpretrain.data.batch import Batch
 from mmpretrain.data.device_decode import DeviceDecoder, Prefetcher
+from mmpretrain.data.transfer import to_device
 
 
 class ImageInput:
@@ -44,7 +45,7 @@ class ImageInput:
         if self.decoder is not None and (batch.jpeg is not None or batch.images is None
                                          or batch.images.dtype == torch.uint8):
             self.decoder(batch)
-        images = batch.images.to(device, non_blocking=True)
+        images = to_device(batch.images, device)
         if self.normalize is not None:  # uint8 from the loader (a quarter of the bytes); float passes as is
             images = self.normalize(images)
         if self.channels_last:

@@ -28,6 +28,8 @@ import math
 import torch
 from PIL import Image
 
+from mmpretrain.data.transfer import to_device
+
 # Pillow's filters (libImaging/Resample.c): support radius and kernel, as functions of a tensor
 _PI = math.pi
 
@@ -97,7 +99,7 @@ def crops(padded: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
     largest height and width are read there: no device sync)."""
     h_max, w_max = (int(v) for v in boxes[:, 2:].max(0).values.tolist())
     N, C, H, W = padded.shape
-    b = boxes.to(padded.device, non_blocking=True)
+    b = to_device(boxes, padded.device)
     rows = (b[:, 0:1] + torch.arange(h_max, device=padded.device)).clamp_(max=H - 1)  # (N, h_max)
     cols = (b[:, 1:2] + torch.arange(w_max, device=padded.device)).clamp_(max=W - 1)  # (N, w_max)
     x = padded.gather(2, rows[:, None, :, None].expand(N, C, h_max, W))
@@ -111,7 +113,7 @@ def crop_resize(padded: torch.Tensor, boxes: torch.Tensor, size: tuple[int, int]
     out_h, out_w = size
     x = crops(padded, boxes)
     zero = torch.zeros(len(boxes), device=padded.device)
-    b = boxes.to(padded.device, non_blocking=True)
+    b = to_device(boxes, padded.device)
     wy = weights(zero, b[:, 2], out_h, x.shape[-2], interpolation)  # (N, out_h, h_max)
     wx = weights(zero, b[:, 3], out_w, x.shape[-1], interpolation)  # (N, out_w, w_max)
     rows = _exact_matmul(x.to(torch.float32), wx.transpose(1, 2).unsqueeze(1), weights_right=True)  # (N, 3, h_max, out_w)

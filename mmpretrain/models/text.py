@@ -22,9 +22,14 @@ def trim_padding(tokens: torch.Tensor, multiple: int = 1) -> torch.Tensor:
     column), the length rounded up to a ``multiple`` (at most ``L``): few distinct shapes, so that
     ``torch.compile`` does not recompile for every batch. Call it on the host copy of the batch: the
     length is data-dependent, and read on a device it would be a synchronisation every step."""
+    return tokens[:, : padded_length(tokens, multiple)]
+
+
+def padded_length(tokens: torch.Tensor, multiple: int = 1) -> int:
+    """The columns :func:`trim_padding` keeps (read on the host copy, as it is)."""
     used = (tokens != 0).any(0).nonzero()
     length = int(used.max()) + 1 if used.numel() else 1
-    return tokens[:, : min(-(-length // multiple) * multiple, tokens.shape[1])]
+    return min(-(-length // multiple) * multiple, tokens.shape[1])
 
 
 def encode_text_trimmed(clip: nn.Module, tokens: torch.Tensor) -> torch.Tensor:

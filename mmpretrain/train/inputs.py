@@ -137,6 +137,12 @@ def image_input(cfg: ExperimentConfig, model, device: torch.device, dtype: torch
     return ImageInput(transform, normalize, decoder, cfg.train.channels_last, dtype)
 
 
+def pins(device: torch.device) -> bool:
+    """Whether the loader pins its batches for ``device`` (CUDA: the copies to it then never wait for the
+    host; :mod:`mmpretrain.data.transfer`)."""
+    return device.type == "cuda"
+
+
 def build_loader(cfg: ExperimentConfig, data: Data, model, objective: WeightedObjective, target_from: str,
                  position: StreamPosition | None, rank: int, pin_memory: bool, embedding_dim: int | None,
                  images: ImageInput, tokenizer):

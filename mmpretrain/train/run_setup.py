@@ -43,6 +43,7 @@ from mmpretrain.train.inputs import (
     build_loader,
     image_input,
     load_sources,
+    pins,
     samples_per_epoch,
     shard_sharing_note,
 )
@@ -237,7 +238,7 @@ def setup(cfg: ExperimentConfig) -> Run:
     images = image_input(cfg, model, acc.device, input_dtype(acc), teacher=teacher_dims is not None)
     tokenizer = factory.make_tokenizer(model.model_cfg)  # made once: the loader's and the run's
     loader = build_loader(cfg, data, model, objective, target_from, state.position if saved is not None else None, rank,
-                          acc.device.type == "cuda", embedding_dim(cfg, data.sources, target_from, model), images,
+                          pins(acc.device), embedding_dim(cfg, data.sources, target_from, model), images,
                           None if cfg.model.text_from_targets else tokenizer)
     configure_engine(cfg, acc, data.schedule)
     try:  # every rank: under FSDP and DeepSpeed each writes its shard of every checkpoint

@@ -16,9 +16,10 @@ import torch
 
 from mmpretrain.data.batch import Batch
 from mmpretrain.data.image_input import ImageInput
+from mmpretrain.data.transfer import cut_on_device, to_device
 from mmpretrain.losses.base import NEEDS
 from mmpretrain.models.patch_dropout import PatchDraw
-from mmpretrain.models.text import trim_padding
+from mmpretrain.models.text import padded_length
 
 
 @dataclass
@@ -71,10 +72,10 @@ class TrainingTask:
             with torch.no_grad():
                 target = self.target_encoder.encode(batch.texts, convert_to_tensor=True, normalize_embeddings=True)
         if target is not None:
-            target = target.to(device, non_blocking=True).float()
+            target = to_device(target, device).float()
         tokens, negative_tokens = self._tokens(batch, device)
         context: dict[str, Any] = {"step": step, "epoch": int(batch.epoch) + 1}
-        context.update({k: v.to(device, non_blocking=True) for k, v in batch.for_needs(self.needs).items()})
+        context.update({k: to_device(v, device) for k, v in batch.for_needs(self.needs).items()})
         if "teacher" in self.needs:
             context["teacher_dims"] = self.teacher_dims
         encodings = self.objective.encodings if "image_encodings" in self.needs else None
@@ -84,20 +85,20 @@ class TrainingTask:
         keep = None
         if self.patch_dropout is not None:  # drawn on the host from the sample's index: no device RNG, no sync
             keep = self.patch_dropout.keep(batch.sample_index, step)
-            keep = (keep.pin_memory() if device.type == "cuda" else keep).to(device, non_blocking=True)
+            keep = to_device(keep, device)
         return StepInputs(images, tokens, target, negative_tokens, encodings == "online", context, keep)
 
     def _tokens(self, batch: Batch, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The captions' tokens and, with ``negatives``, the negatives' (one text pass: both cut to the
-        longer of the two), trimmed on the host copy: the used length read on the device would be a sync."""
+        longer of the two), their used length read on the host copy (on the device it would be a sync)."""
         tokens = batch.tokens
         if tokens is None:
             return None, None
-        if "negatives" in self.needs:
-            both = torch.cat([tokens, batch.negative_tokens])
-            both = trim_padding(both, self.text_length_multiple) if self.trim_text else both
-            return (both[:len(tokens)].to(device, non_blocking=True),
-                    both[len(tokens):].to(device, non_blocking=True))
-        if self.trim_text:
-            tokens = trim_padding(tokens, self.text_length_multiple)
-        return tokens.to(device, non_blocking=True), None
+        negatives = batch.negative_tokens if "negatives" in self.needs else None
+        length = tokens.shape[1]
+        if self.trim_text:  # both cut to the longer of the two (one text pass)
+            length = max(padded_length(t, self.text_length_multiple) for t in (tokens, negatives) if t is not None)
+        # copied whole from the pinned batch and cut on the device: a host-side cut would copy from a
+        # non-contiguous view, through pageable memory, which makes the stream wait for the host
+        return (cut_on_device(tokens, length, device),
+                None if negatives is None else cut_on_device(negatives, length, device))
