@@ -291,3 +291,38 @@ def test_a_step_sends_the_device_only_contiguous_host_tensors_from_pinned_memory
     sent = {c.caller.rsplit("/", 1)[1].split(":")[0] for c in audit.copies}
     assert {"task.py", "image_input.py", "device_decode.py"} <= sent, audit.copies
     assert all(c.contiguous for c in audit.copies), [c for c in audit.copies if not c.contiguous]
+
+
+def test_the_decoding_thread_never_swaps_the_warning_filters(monkeypatch):
+    """The device decoder runs on a background thread (Prefetcher); warnings.catch_warnings there would
+    swap the process-wide filters and showwarning under the training thread, whose host-sync count
+    (the GPU check's) reads them. Its filters are set once, at import: a decode calls it not once."""
+    import warnings
+
+    raws = _raws(make_jpegs(8))
+    crop = ResizedCrop(224, scale=(0.08, 1.0))
+    batch = _batch(SampleDecoder(crop, embeddings="ignore", device_decode=True), raws)  # the workers' part
+    calls = []
+
+    class Counted(warnings.catch_warnings):
+        def __init__(self, *a, **kw):
+            calls.append(1)
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(warnings, "catch_warnings", Counted)
+    DeviceDecoder(crop, "cpu", batched=True)(batch)
+    assert batch.images.shape == (8, 3, 224, 224) and calls == []
+
+
+def test_the_nvjpeg_probe_reads_the_library_torchvision_loaded(tmp_path):
+    """A CUDA 13 image maps libnvjpeg.so.13 (torchvision's or the nvidia wheel's), not .so.12: the probe
+    takes the path the process has mapped, whatever its soname."""
+    from mmpretrain.data.device_decode import loaded_library
+
+    maps = tmp_path / "maps"
+    lib = "/usr/lib/python3/site-packages/nvidia/nvjpeg/lib/libnvjpeg.so.13"
+    maps.write_text(f"7f00-7f10 r--p 00000000 00:2a 123  /usr/lib/libc.so.6\n"
+                    f"7f10-7f20 r-xp 00001000 00:2a 456  {lib}\n7f20-7f30 rw-p 00000000 00:00 0 \n")
+    assert loaded_library("libnvjpeg", str(maps)) == lib
+    assert loaded_library("libnvjpeg", str(tmp_path / "none")) is None
+    assert loaded_library("libtorch_cpu").endswith("libtorch_cpu.so")  # this process, for real

@@ -44,6 +44,13 @@ from mmpretrain.data.jpeg import FILL, TruncatedJpeg, tail_box
 from mmpretrain.data.resample import crop_resize, pad
 from mmpretrain.data.transfer import to_device
 
+# Set once, at import, not per call: warnings.catch_warnings on the decoding thread swaps the process-wide
+# filters and showwarning under the training thread (Python documents it as not thread-safe), which the
+# GPU check's sync count reads (resample.py does the same for nested tensors). torchvision 0.29
+# deprecates its decoders for TorchCodec's (docs/config.md).
+warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
+                        category=DeprecationWarning)
+
 
 class DeviceDecodeError(RuntimeError):
     """The device decoder does not work here (torchvision without nvJPEG, nvJPEG failing to start): the
@@ -53,26 +60,44 @@ class DeviceDecodeError(RuntimeError):
 def nvjpeg_backend(device: torch.device) -> str:
     """Which nvJPEG backend torchvision's batched decoder gets on ``device``: it asks for the hardware
     JPEG engine (A100, H100, ...) and takes the default backend (CUDA cores, Huffman on the host) where
-    the GPU has none; probed here the same way through libnvjpeg. ``"n/a"`` off CUDA."""
+    the GPU has none; probed here the same way, through the libnvjpeg torchvision loaded (after a first
+    CUDA decode it is mapped into the process; before one, the first soname that loads: CUDA 13's, 12's).
+    ``"n/a"`` off CUDA."""
     if device.type != "cuda":
         return "n/a"
     import ctypes
 
-    try:
-        lib = ctypes.CDLL("libnvjpeg.so.12")
-    except OSError:
+    loaded = loaded_library("libnvjpeg")
+    lib = None
+    for name in ([loaded] if loaded else ["libnvjpeg.so.13", "libnvjpeg.so.12", "libnvjpeg.so"]):
         try:
-            lib = ctypes.CDLL("libnvjpeg.so")
+            lib = ctypes.CDLL(name)
+            break
         except OSError:
-            return "unknown (libnvjpeg not found)"
+            continue
+    if lib is None:
+        return "unknown (libnvjpeg not found)"
     handle = ctypes.c_void_p()
     status = lib.nvjpegCreateEx(3, None, None, 0, ctypes.byref(handle))  # NVJPEG_BACKEND_HARDWARE
     if status == 0:
         lib.nvjpegDestroy(handle)
-        return "hardware (the GPU's JPEG engine decodes baseline JPEGs in batches)"
+        return f"hardware (the GPU's JPEG engine decodes baseline JPEGs in batches; {lib._name})"
     if status == 7:  # NVJPEG_STATUS_ARCH_MISMATCH
-        return "default (no JPEG engine on this GPU: Huffman decoding on the host, one image at a time)"
-    return f"unknown (nvjpegCreateEx status {status})"
+        return f"default (no JPEG engine on this GPU: Huffman decoding on the host, one image at a time; {lib._name})"
+    return f"unknown (nvjpegCreateEx status {status}; {lib._name})"
+
+
+def loaded_library(stem: str, maps: str = "/proc/self/maps") -> str | None:
+    """The path of the shared library named ``stem*`` this process has mapped (Linux), else None."""
+    try:
+        with open(maps) as f:
+            for line in f:
+                path = line.rstrip("\n").split(maxsplit=5)[-1]
+                if path.rsplit("/", 1)[-1].startswith(stem + ".so"):
+                    return path
+    except OSError:
+        return None
+    return None
 
 
 class DeviceDecoder:
@@ -210,15 +235,13 @@ class DeviceDecoder:
         raises is split in halves until each culprit is alone (log2 of the chunk calls per bad image)."""
         import torchvision.io as tio
 
-        with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders for TorchCodec's (docs/config.md)
-            warnings.simplefilter("ignore", DeprecationWarning)
-            try:
-                return list(tio.decode_jpeg(blobs, mode=tio.ImageReadMode.RGB, device=self.device))
-            except RuntimeError as e:
-                if len(blobs) == 1:
-                    if len(self.errors) < 4:
-                        self.errors.append(str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__)
-                    return [None]
+        try:
+            return list(tio.decode_jpeg(blobs, mode=tio.ImageReadMode.RGB, device=self.device))
+        except RuntimeError as e:
+            if len(blobs) == 1:
+                if len(self.errors) < 4:
+                    self.errors.append(str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__)
+                return [None]
         half = len(blobs) // 2
         return self._decode(blobs[:half]) + self._decode(blobs[half:])
 

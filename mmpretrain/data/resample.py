@@ -24,11 +24,16 @@ bench_device_step.py prints both for photos at 224 px).
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from PIL import Image
 
 from mmpretrain.data.transfer import to_device
+
+# once, at import (never per call on the decoding thread: see device_decode.py): nested tensors are "a
+# prototype", and only their padded strided form is used here
+warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors", category=UserWarning)
 
 # Pillow's filters (libImaging/Resample.c): support radius and kernel, as functions of a tensor
 _PI = math.pi
@@ -86,11 +91,7 @@ def weights(start: torch.Tensor, length: torch.Tensor, out: int, size: int, inte
 def pad(images: list[torch.Tensor]) -> torch.Tensor:
     """``(N, 3, H_max, W_max)`` uint8 from N ``(3, h, w)`` images (zeros outside each), in two operator
     calls whatever N (a nested tensor and its padded form)."""
-    import warnings
-
-    with warnings.catch_warnings():  # "nested tensors are a prototype": the strided layout is all we use
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.nested.as_nested_tensor(images).to_padded_tensor(0)
+    return torch.nested.as_nested_tensor(images).to_padded_tensor(0)
 
 
 def crops(padded: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
