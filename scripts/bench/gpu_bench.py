@@ -211,6 +211,13 @@ def finish(result: dict, args, notes: list[str]) -> None:
 
             peak = peak_tflops(torch.device(args.device), args.peak_tflops)[0]
         e2e["summary"] = summary({k: v for k, v in e2e.items() if k != "photos"}, args.batch_size, peak)
+        ratios = {k: v for k, v in e2e["summary"].items() if k.endswith("_over_open_clip") or k == "device_over_worker"}
+        print(f"end to end: {ratios} (captions of at most {e2e['summary']['text_length_used']} tokens)", flush=True)
+    fixed = sections.get("step", {}).get("fixed_batch", {})
+    if isinstance(fixed, dict) and "speedup" in fixed:
+        print(f"fixed batch: ours over open_clip_train {fixed['speedup']} (captions of at most "
+              f"{fixed['text_length_used']} tokens: ours runs {fixed['tokens_ours']}, open_clip "
+              f"{fixed['tokens_open_clip']})", flush=True)
     for section in {k.split(".")[0] for g in result["plan"] for k in g}:
         keys = [k for g in result["plan"] for k in g if k.split(".")[0] == section]
         got = [lookup(result, k) for k in keys]

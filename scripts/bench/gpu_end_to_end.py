@@ -121,32 +121,38 @@ def timed_window(step, fetch, batch: int, warmup: int, steps: int, device) -> di
             "data_wait_share": round(wait / wall, 4)}
 
 
-def syncs_per_step(step, fetch, device, n: int = SYNC_STEPS) -> float | None:
-    """Host syncs the training thread makes per step (torch.cuda.set_sync_debug_mode("warn") while the
-    step runs; the decoding thread's own syncs are not counted). None on a CPU: nothing to sync with."""
+def syncs_per_step(step, fetch, device, n: int = SYNC_STEPS) -> dict:
+    """Per step of the training thread, over ``n`` steps: ``syncs c10 reports`` (under
+    torch.cuda.set_sync_debug_mode("warn"); the decoding thread's own are not counted) and ``pageable
+    copies`` (host-to-device copies from pageable or non-contiguous memory, which make the stream wait
+    for the host without c10 reporting it; mmpretrain.testing.copies). None on a CPU: nothing to sync with."""
     if device.type != "cuda":
         for _ in range(n):  # the same batches are consumed, so the epoch arithmetic holds on any device
             step(fetch())
-        return None
+        return {"syncs c10 reports": None, "pageable copies": None}
     import torch
 
-    main, count = threading.get_ident(), [0]
+    from mmpretrain.testing.copies import CopyAudit
+
+    main, count, pageable = threading.get_ident(), [0], 0
 
     def show(message, category, *args, **kwargs):
         if threading.get_ident() == main and "synchroniz" in str(message):
             count[0] += 1
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # the check's main thread, once around the window
         warnings.simplefilter("always")
         warnings.showwarning = show
         for _ in range(n):
             b = fetch()
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                step(b)
+                with CopyAudit(prefix="") as audit:  # every caller: open_clip_train's loop is not ours
+                    step(b)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
-    return count[0] / n
+            pageable += sum(c.pageable for c in audit.copies)
+    return {"syncs c10 reports": count[0] / n, "pageable copies": pageable / n}
 
 
 def ours_side(args, device, photos: Path, decode: str, workers: int, tmp: Path) -> dict:
@@ -165,9 +171,11 @@ def ours_side(args, device, photos: Path, decode: str, workers: int, tmp: Path) 
     run = setup(cfg)
     it = run.images.batches(run.loader)
     epochs: set[int] = set()
+    used = [0]
     try:
         def step(batch):
             epochs.add(int(batch.epoch))
+            used[0] = max(used[0], int((batch.tokens != 0).sum(1).max()))  # the host copy: no sync
             run.state.skipped.update(batch.skipped)
             run.state.samples += len(batch.keys)
             train_step(run, batch)
@@ -182,6 +190,7 @@ def ours_side(args, device, photos: Path, decode: str, workers: int, tmp: Path) 
         res["flops_per_step"] = flops
         res["syncs_per_step"] = syncs_per_step(step, fetch, device)
         res["epochs"] = sorted(epochs)
+        res["text_length_used"] = used[0]
         if decode == "device":  # a "device" figure is the device's only if the device decoded the images
             counts = run.state.skipped
             done, fallback = counts.get("device_decoded", 0), counts.get("device_decode_fallback", 0)
@@ -258,7 +267,8 @@ def open_clip_side(args, device, photos: Path, workers: int) -> dict:
 def summary(sides: dict, batch: int, peak: float | None) -> dict:
     """Ratios between the sides that finished, and each one's MFU from its own FLOPs."""
     rate = {k: v["samples_per_s"] for k, v in sides.items() if isinstance(v, dict) and "samples_per_s" in v}
-    out: dict = {"samples_per_s": rate}
+    used = [v["text_length_used"] for v in sides.values() if isinstance(v, dict) and "text_length_used" in v]
+    out: dict = {"samples_per_s": rate, "text_length_used": max(used) if used else None}
     if "ours_decode_device" in rate and "ours_decode_worker" in rate:
         out["device_over_worker"] = round(rate["ours_decode_device"] / rate["ours_decode_worker"], 4)
     for ours in ("ours_decode_worker", "ours_decode_device"):

@@ -9,7 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpu_common import ROOT, count_flops, sync
+from gpu_common import ROOT, count_flops, device_times, sync
 
 # dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device name; --peak-tflops overrides
 PEAKS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0,
@@ -105,11 +105,12 @@ def step_section(args, device, data: Path) -> dict:
                 fn()
         flops["ours"] = count_flops(ours)
         blocks: list[dict[str, float]] = []
+        used = int((batch.tokens != 0).sum(1).max())
         for r in range(args.repeats):
             order = ("open_clip_train", "ours") if r % 2 == 0 else ("ours", "open_clip_train")
             blocks.append({k: timed(fns[k], args.steps, device) for k in order})
-            print(f"step, block {r + 1}: " + ", ".join(f"{k} {args.batch_size / v:.0f} samples/s"
-                                                       for k, v in blocks[-1].items()), flush=True)
+            print(f"step, block {r + 1} (captions of at most {used} tokens): " + ", ".join(
+                f"{k} {args.batch_size / v:.0f} samples/s" for k, v in blocks[-1].items()), flush=True)
         med = {k: sorted(b[k] for b in blocks)[len(blocks) // 2] for k in fns}
         peak, peak_source = peak_tflops(device, args.peak_tflops)
         mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -117,7 +118,7 @@ def step_section(args, device, data: Path) -> dict:
                "tokens_open_clip": int(batch.tokens.shape[1]), "engine": str(acc.distributed_type),
                "tokens_ours": int(trim_padding(batch.tokens, cfg.train.text_length_multiple).shape[1]
                                   if run.task.trim_text else batch.tokens.shape[1]),
-               "text_length_used": int((batch.tokens != 0).sum(1).max()),
+               "text_length_used": used,
                "flops_per_step": flops, "samples_per_s": {k: round(args.batch_size / v, 1) for k, v in med.items()},
                "ms_per_step": {k: round(v * 1000, 2) for k, v in med.items()},
                "speedup": round(med["open_clip_train"] / med["ours"], 4),
@@ -343,18 +344,12 @@ def crop_stage_section(args, device, n: int | None = None) -> dict:
     dec = DeviceDecoder(crop, device, batched=True)
     blobs = [torch.frombuffer(bytearray(j), dtype=torch.uint8) for j in jpegs]
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    sync()
-    t0 = time.perf_counter()
-    images = dec._decode(blobs)
-    sync()
-    decode_ms = (time.perf_counter() - t0) * 1e3
+    images = dec._decode(blobs)  # warm-up: nvJPEG's handles, the allocator
+    decode = device_times(lambda: dec._decode(blobs), device)
     worker = torch.stack([crop.apply(Image.open(io.BytesIO(j)), tuple(b)) for j, b in zip(jpegs, boxes)])
     worker = worker.permute(0, 3, 1, 2).float()
-    out = {"images": n, "nvjpeg_backend": nvjpeg_backend(device), "decode_ms": round(decode_ms, 1),
+    out = {"images": n, "nvjpeg_backend": nvjpeg_backend(device), "decode_ms": decode,
+           "timing": "median of 3 after a warm-up; device_ms from CUDA events (wall time on a CPU)",
            "device_decode_failures": sum(im is None for im in images)}
     if out["device_decode_failures"]:
         return out
@@ -365,18 +360,9 @@ def crop_stage_section(args, device, n: int | None = None) -> dict:
                               lambda: old_out.permute(0, 3, 1, 2).float()),
                              ("batched", lambda: dec.crop_stage(new_out, images, bx, torch.arange(n)), lambda: new_out)):
         fn()
-        sync()
-        host, total = [], []
-        for _ in range(3):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            t1 = time.perf_counter()
-            sync()
-            host.append((t1 - t0) * 1e3)
-            total.append((time.perf_counter() - t0) * 1e3)
+        times = device_times(fn, device)
         diff = (pixels().cpu() - worker).abs()
-        out[name] = {"host_ms": round(min(host), 2), "device_ms": round(min(total), 2),
+        out[name] = {"host_ms": times["host_ms"], "device_ms": times["device_ms"],
                      "diff_mean": round(float(diff.mean()), 4), "diff_max": float(diff.max())}
     return out
 
