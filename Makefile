@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM ?= false
 DATA := data/openmoji
 RUN := runs/demo
 
-.PHONY: setup demo test test-unit test-slow deepspeed img2dataset gpu-bundle openmoji-all noto lint bench clean
+.PHONY: setup demo test test-unit test-slow deepspeed img2dataset gpu-bundle gpu-rehearsal openmoji-all noto lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -91,6 +91,12 @@ openmoji-all: setup noto
 # image may lack and a small embedded OpenMoji dataset, ~35 MiB in .cache/gpu-bundle (PyPI access here).
 gpu-bundle: setup
 	PYTHON=$(BIN)/python scripts/bench/gpu_bundle.sh .cache/gpu-bundle
+
+# The GPU check's CPU path under the device image's versions (Python 3.12, torch 2.11.0, transformers 5.17.0,
+# ...: scripts/bench/device_image.txt) with the cp312 bundle installed over them as on the device; ~2 min
+# once the venv exists (~3 GB from PyPI the first time). gpu.json in bench_results/rehearsal/.
+gpu-rehearsal: gpu-bundle
+	scripts/bench/gpu_rehearsal.sh
 
 # Every scripts/bench/bench_*.py, each writing bench_results/<name>.json (slow: minutes each), then docs/performance.md's table.
 bench: setup

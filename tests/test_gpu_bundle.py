@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +54,27 @@ def test_the_bundle_installs_only_what_an_image_lacks_and_the_check_runs_from_it
     assert set(step["end_to_end"]["summary"]["samples_per_s"]) == {"ours_decode_worker", "ours_decode_device",
                                                                   "open_clip_train"}
     assert all("error" not in result["sections"][s] for s in ("loss_memory", "precision")), result["sections"]
+
+
+@pytest.mark.slow  # the device image's versions from PyPI the first time (~3 GB), then ~2 min
+@pytest.mark.skipif(not (shutil.which("python3.12") or list(Path.home().glob(".pyenv/versions/3.12*/bin/python3.12"))),
+                    reason="no Python 3.12 (the device image's) on this machine")
+def test_the_check_runs_end_to_end_under_the_device_images_versions(tmp_path):
+    """scripts/bench/gpu_rehearsal.sh: Python 3.12 with torch 2.11.0, torchvision 0.26.0, accelerate 1.15.0,
+    transformers 5.17.0 (scripts/bench/device_image.txt), the real cp312 bundle installed over them by
+    bench_gpu.sh, and every section's CPU path, the preflight included, without one error."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run(["bash", str(ROOT / "scripts/bench/gpu_bundle.sh"), str(tmp_path / "bundle")], cwd=ROOT,
+                       env={**env, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run(["bash", str(ROOT / "scripts/bench/gpu_rehearsal.sh")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=3600, env={**env, "BUNDLE": str(tmp_path / "bundle"),
+                                                     "OUT": str(tmp_path / "out")})
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    out = json.loads((tmp_path / "out/gpu.json").read_text())
+    v = out["versions"]
+    assert v["torch"] == {"version": "2.11.0", "from": "machine"} and v["transformers"]["version"] == "5.17.0", v
+    assert v["accelerate"]["version"] == "1.15.0" and v["open_clip_torch"]["from"] == "bundle", v
+    assert all(line.startswith("ok: ") for line in out["preflight"].values()), out["preflight"]
+    assert set(out["seconds"]) == {"loss_memory", "precision", "kmeans", "crop_stage", "step", "jpeg_faults", "engines"}
+    assert "error: failed" not in r.stderr and not out["restarts"]

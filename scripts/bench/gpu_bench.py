@@ -3,15 +3,18 @@
     python scripts/bench/gpu_bench.py --data DATASET_DIR --out DIR [--sections step jpeg_faults crop_stage loss_memory precision
                                                                              engines kmeans]
                                 [--model ViT-B-32] [--batch-size 256] [--steps 20] [--repeats 3]
-                                [--e2e-steps 20] [--e2e-images 4096] [--e2e-workers N] [--budget 240]
+                                [--e2e-steps 100] [--e2e-images N] [--e2e-workers N] [--budget 510]
                                 [--loss-batch 65536] [--device cuda] [--precision bf16] [--peak-tflops N]
                                 [--engines ddp fsdp deepspeed] [--engine-wrapper SCRIPT]
+                                [--watchdog [KEY=]S] [--fault KEY[:raise|hang|crash|context]]
 
 DATASET_DIR is a built and embedded dataset folder (``train/``, ``test/``; ``make gpu-bundle`` builds one
 small enough to carry). gpu.json in DIR starts with the versions that run (the machine's own or the
-bundle's) and gains each section as soon as it finishes, so a run cut short keeps what it measured.
-Sections run in this order (by value: what only a GPU can show first); one whose estimate (ESTIMATE_S,
-one H200) would end past --budget seconds is skipped and says so:
+bundle's) and gains each measurement as soon as it finishes, so a run cut short keeps what it measured.
+This process measures nothing: it runs a preflight (gpu_preflight.py), then the plan's groups of
+measurements, each in a worker process under a per-measurement watchdog (gpu_runner.py: cheap in-process
+ones first, the JPEG probe alone, the end-to-end sides, the engine launches last). A measurement whose
+estimate (ESTIMATE_S, one H100/H200) would end past --budget seconds is skipped and says so. Sections:
 
   step         our real ``train_step`` -- the project's own ``setup`` (loader, uint8 batch normalised on
                the device, text trimmed on the host, fused AdamW, clamp) -- against open_clip_train's
@@ -36,7 +39,7 @@ one H200) would end past --budget seconds is skipped and says so:
   engines      ``accelerate launch`` with configs/accelerate/{fsdp,deepspeed-zero2}.yaml (``--engines ddp`` adds
                1gpu.yaml), 1 process:
                train 6 steps (checkpoints at 3 and 6) and resume to 8 with each; ``mmpretrain.export`` of
-               the FSDP and DeepSpeed runs, ``mmpretrain.eval`` of the FSDP run (STAGES: 6 cold launches);
+               the FSDP and DeepSpeed runs, ``mmpretrain.eval`` of the FSDP run (STAGES: 7 cold launches);
                torch AdamW throughout (DeepSpeed wraps it in its ZeRO-2 optimizer). --engine-wrapper runs
                the FSDP/DeepSpeed launches through a script (the CPU test passes
                tests/scripts/gpu_engine_on_cpu.py, since accelerate refuses those engines without a GPU).
@@ -344,6 +347,7 @@ def main() -> int:
     result = json.loads(path.read_text())
     pre = result["sections"].pop("preflight", {})
     result["preflight"] = {k: v for k, v in pre.items() if k != "seconds"}
+    result["preflight_seconds"], result["wall_s"] = pre.get("seconds"), round(time.time() - start, 1)
     for name, line in result["preflight"].items():
         print(f"preflight {name}: {line}", flush=True)
     failed = [k for k in failed if k != "preflight"]
