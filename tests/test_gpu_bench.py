@@ -273,3 +273,17 @@ def test_the_estimates_fit_the_budget_with_a_fifth_to_spare():
     assert sum(len(gb.STAGES[e]) for e in args.engines) == 7
     assert gb.estimate(args) <= 0.8 * gb.BUDGET_S
     assert gb.BUDGET_S == 600 - 30 - 15 - 45  # hand-back, install, grace (bench_gpu.sh)
+
+
+@pytest.mark.integration  # starts processes: ~15 s
+def test_the_outer_timeout_takes_the_worker_with_the_supervisor(openmoji, tmp_path):
+    """bench_gpu.sh's `timeout` signals the supervisor only; the worker runs in its own session, so the
+    supervisor kills it on SIGTERM instead of leaving it to hold the device past the command."""
+    out = tmp_path / "unique-out"
+    r = subprocess.run(["timeout", "20", sys.executable, str(ROOT / "scripts/bench/gpu_bench.py"), "--data",
+                        str(openmoji), "--out", str(out), "--device", "cpu", "--precision", "fp32", "--model",
+                        "mmpt-tiny-vit", "--sections", "kmeans", "--fault", "kmeans:hang", "--watchdog", "300"],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 124 and "kmeans: hanging" in r.stdout, (r.stdout + r.stderr)[-2000:]
+    left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout

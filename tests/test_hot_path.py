@@ -111,13 +111,13 @@ def _no_sync(data, tmp_path, name, overrides, monkeypatch):
     run.state.step += 1
     batch = next(batches)
     syncs, copies = SyncCounter(), CopyCounter()
-    trim = task.trim_padding
+    trim = task.padded_length
 
     reads = PythonReads(monkeypatch)
 
     def on_the_host(tokens, *args):
         # the loader's own batch, before its copy to the device: its reads do not wait for a GPU
-        assert tokens is batch.tokens
+        assert tokens is batch.tokens or tokens is batch.negative_tokens
         syncs.paused = copies.paused = True
         reads.on = False
         try:
@@ -126,7 +126,7 @@ def _no_sync(data, tmp_path, name, overrides, monkeypatch):
             syncs.paused = copies.paused = False
             reads.on = True
 
-    monkeypatch.setattr(task, "trim_padding", on_the_host)
+    monkeypatch.setattr(task, "padded_length", on_the_host)
     if run.images.decoder is not None:  # decoded ahead on fit's background thread, not in the step
         run.images.decoder(batch)
         assert batch.images.dtype == torch.float32

@@ -168,11 +168,14 @@ def supervise(groups: list[list[str]], worker_cmd, path: Path, work: Path, limit
             cmd = worker_cmd(todo)
             budget = sum(limits[k] for k in todo) + 60
             proc = subprocess.Popen(cmd, start_new_session=True)
+            # the outer `timeout` signals this process only: the worker's own session goes with it
+            signal.signal(signal.SIGTERM, lambda *_, p=proc: (kill_group(p), sys.exit(124)))
             try:
                 rc = proc.wait(timeout=budget)
             except subprocess.TimeoutExpired:
                 rc = None
             kill_group(proc)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             result = json.loads(path.read_text())
             done = [k for k in todo if lookup(result, k) is not None]
             failed += [k for k in done if isinstance(lookup(result, k), dict) and "error" in lookup(result, k)]
