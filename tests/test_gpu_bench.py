@@ -287,3 +287,16 @@ def test_the_outer_timeout_takes_the_worker_with_the_supervisor(openmoji, tmp_pa
     assert r.returncode == 124 and "kmeans: hanging" in r.stdout, (r.stdout + r.stderr)[-2000:]
     left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
     assert left.stdout.strip() == "", left.stdout
+
+
+@pytest.mark.integration  # starts a process
+def test_the_rehearsal_never_replaces_a_folder_it_did_not_make(tmp_path):
+    """gpu_rehearsal.sh rebuilds its venv with rm -rf only where its marker says it made it: a user's
+    folder given as VENV is refused whole, its file kept."""
+    venv = tmp_path / "mine"
+    venv.mkdir()
+    (venv / "notes.txt").write_text("keep me")
+    r = subprocess.run(["bash", str(ROOT / "scripts/bench/gpu_rehearsal.sh"), str(venv)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "was not made by this script" in r.stderr, r.stderr
+    assert (venv / "notes.txt").read_text() == "keep me"

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import torch
 
+from mmpretrain.data import host_memory
+
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``t`` on ``device``, asynchronously: a host tensor bound for CUDA is made contiguous and pinned
-    first where it is not (both host-side copies, no stream wait)."""
+    first where it is not (both host-side copies, no stream wait) -- up to the loader's own pinning
+    limit (:func:`~mmpretrain.data.host_memory.pin`): a larger batch is copied as the loader left it."""
     device = torch.device(device)
     if device.type == "cuda" and t.device.type == "cpu":
         if not t.is_contiguous():
             t = t.contiguous()
-        if not t.is_pinned():
+        if not t.is_pinned() and host_memory.pin(t.nbytes):
             t = t.pin_memory()
     return t.to(device, non_blocking=True)
 

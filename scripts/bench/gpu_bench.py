@@ -128,7 +128,7 @@ def limit(key: str, args) -> float:
 
 def measurement(key: str, args, device, data: Path, work: Path):
     """What measurement ``key`` runs, as a callable of no arguments."""
-    from gpu_end_to_end import images_needed, open_clip_side, ours_side, photo_shards
+    from gpu_end_to_end import e2e_workers, images_needed, open_clip_side, ours_side, photo_shards
 
     simple = {"loss_memory": loss_memory_section, "precision": precision_section, "kmeans": kmeans_section,
               "crop_stage": crop_stage_section, "jpeg_faults": jpeg_faults_section, "preflight": preflight}
@@ -156,10 +156,6 @@ def measurement(key: str, args, device, data: Path, work: Path):
             return open_clip_side(args, device, photos, W)
         return ours_side(args, device, photos, key.rsplit("_", 1)[1], W, work / "tmp")
     return side
-
-
-def e2e_workers(args) -> int:
-    return args.e2e_workers or max(1, min(8, (os.cpu_count() or 2) - 2))
 
 
 def worker(args, keys: list[str], path: Path, work: Path) -> int:

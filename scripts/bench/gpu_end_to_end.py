@@ -26,6 +26,11 @@ SYNC_STEPS = 5  # steps run under torch.cuda.set_sync_debug_mode after the timed
 PREFETCH = 2  # data.prefetch_factor's default, and open_clip_train's loader's
 
 
+def e2e_workers(args) -> int:
+    """The end-to-end sides' loader workers: --e2e-workers, else cores - 2, at most 8."""
+    return args.e2e_workers or max(1, min(8, (os.cpu_count() or 2) - 2))
+
+
 def warmup_steps(workers: int) -> int:
     """Two full prefetch rounds of every worker: the loader's start-up fill is spent before timing."""
     return 2 * max(1, workers) * PREFETCH

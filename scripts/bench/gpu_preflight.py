@@ -6,7 +6,6 @@ line in gpu.json's ``preflight``: ``ok: ...`` or ``error: ...`` (the measurement
 from __future__ import annotations
 
 import importlib
-import os
 import shutil
 import socket
 import time
@@ -48,11 +47,11 @@ def imports(names: list[str]) -> str:
 def shm(args) -> str:
     """The largest end-to-end side's loader: W workers x 2 prefetched + 2 batches in /dev/shm, open_clip's
     float batches (4 bytes a pixel) being the largest."""
-    from gpu_end_to_end import PREFETCH
+    from gpu_end_to_end import PREFETCH, e2e_workers
 
     from mmpretrain.data.host_memory import SHM, shm_bytes
 
-    workers = args.e2e_workers or max(1, min(8, (os.cpu_count() or 2) - 2))
+    workers = e2e_workers(args)
     batch = args.batch_size * 3 * 224 * 224 * 4 + args.batch_size * 77 * 8
     need = shm_bytes(batch, workers, PREFETCH)
     free = shutil.disk_usage(SHM).free

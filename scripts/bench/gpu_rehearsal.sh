@@ -12,14 +12,14 @@ cd "$(dirname "$0")/../.."
 venv=.cache/rehearsal-venv
 if [ $# -gt 0 ] && [ "$1" != "--" ]; then venv=$1; shift; fi
 [ "${1:-}" = "--" ] && shift; out=${OUT:-bench_results/rehearsal}; bundle=${BUNDLE:-.cache/gpu-bundle}
+if [ -e "$venv" ] && [ ! -f "$venv/.mmpt-rehearsal" ]; then
+    echo "error: $venv exists and was not made by this script; give another VENV" >&2; exit 2
+fi
 py312=""
 for c in ${PYTHON312:-} python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do  # a pyenv shim may not run
     if "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then py312=$c; break; fi
 done
 [ -n "$py312" ] || { echo "error: no Python 3.12 found (the device image's); set PYTHON312=/path/to/python3.12" >&2; exit 2; }
-if [ -e "$venv" ] && [ ! -f "$venv/.mmpt-rehearsal" ]; then
-    echo "error: $venv exists and was not made by this script; give another VENV" >&2; exit 2
-fi
 if [ ! -f "$venv/.mmpt-rehearsal" ] || ! cmp -s scripts/bench/device_image.txt "$venv/.mmpt-rehearsal"; then
     rm -rf "$venv"
     "$py312" -m venv "$venv"
