@@ -16,6 +16,24 @@ __all__ = ["ConfigError", "DataConfig", "EMAConfig", "EvalConfig", "ExperimentCo
            "ModelConfig", "OptimConfig", "PhaseConfig", "RemoteConfig", "TargetsConfig", "TrainConfig"]
 
 
+class NaFlexConfig(_Strict):
+    seq_lens: list[int] = Field(min_length=1, description="image sequence lengths (patches) a step is drawn from, "
+                                "each length once per cycle of len(seq_lens) steps, seeded; each image keeps its "
+                                "aspect ratio at the largest patch grid within the step's length (docs/naflex.md)")
+    max_tokens_per_batch: int = Field(gt=0, description="patches per rank per step: a step at length L holds "
+                                      "max_tokens_per_batch // L samples on each rank (replaces data.batch_size)")
+
+    @model_validator(mode="after")
+    def _lengths(self):
+        if any(n <= 0 for n in self.seq_lens) or len(set(self.seq_lens)) != len(self.seq_lens):
+            raise ValueError(f"data.naflex.seq_lens must be distinct positive lengths, not {self.seq_lens}")
+        if self.max_tokens_per_batch < max(self.seq_lens):
+            raise ValueError(f"data.naflex.max_tokens_per_batch={self.max_tokens_per_batch} holds no sample of length "
+                             f"{max(self.seq_lens)}: raise it to at least {max(self.seq_lens)} (one sample), or drop "
+                             "that length")
+        return self
+
+
 class DataConfig(_Strict):
     train: str = Field(description="dataset folder(s) with sizes.json (as `data_tools build` writes) or shard url "
                        "patterns, several joined by '::' (see mmpretrain/data/sources.py)")
@@ -57,6 +75,9 @@ class DataConfig(_Strict):
                             "skipped as too_many_pixels before decoding, as data_tools build --max-pixels")
     remote: RemoteConfig = Field(default_factory=RemoteConfig, description="retries, backoff and timeout for "
                                  "remote shards")
+    naflex: NaFlexConfig | None = Field(None, description="variable resolution at native aspect ratio for a NaFlex "
+                                        "image tower (model.arch mmpt-tiny-naflex, or a timm naflexvit_*): patch "
+                                        "sequences and batches by token budget")
 
     @field_validator("aug_cfg")
     @classmethod
@@ -85,6 +106,9 @@ class DataConfig(_Strict):
             raise ValueError("data.weights need data.mode=resampled (epoch mode reads every sample once)")
         if self.weights is not None and (not self.weights or any(w <= 0 for w in self.weights)):
             raise ValueError("data.weights must be positive, one per '::' source of data.train")
+        if self.naflex is not None and self.decode == "device":
+            raise ValueError("data.decode=device crops square boxes on the device; data.naflex resizes each image "
+                             "to its own grid in the workers: set data.decode=worker")
         return self
 
 

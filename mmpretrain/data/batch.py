@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch.utils.data import get_worker_info
 
+from mmpretrain.data.naflex import image_patches, pack
+
 
 def _row(item: str | None, need: str | None = None, dtype: torch.dtype | None = None, doc: str = ""):
     """A per-sample field: collated from the items' ``item`` values (stacked tensors, or a ``dtype`` tensor
@@ -67,6 +69,10 @@ class Batch:
         "index", need="sample_index", dtype=torch.long, doc="sample_index (B,): each sample's global index in the "
         "dataset (stable under resume, rank count and resampling; a resampled batch can hold one index twice)")
     images: torch.Tensor | None = _row("image")
+    # data.naflex: images are uint8 patch sequences (B, L, P*P*3), with each patch's (row, column) and
+    # which are real (mmpretrain.data.naflex); made from the items' images by collate
+    patch_coord: torch.Tensor | None = _row(None)
+    patch_valid: torch.Tensor | None = _row(None)
     tokens: torch.Tensor | None = _row(None)  # the tokenizer's, of texts
     target_embeddings: torch.Tensor | None = _row("emb")  # stored caption embeddings (need "targets")
     labels: torch.Tensor | None = _row("label", need="labels", dtype=torch.long,
@@ -121,6 +127,17 @@ def batch_needs() -> dict[str, str]:
     return out
 
 
+def _shared(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """An empty tensor in shared memory in a DataLoader worker (None elsewhere: made where it is filled)."""
+    if get_worker_info() is None:
+        return None
+    n = 1
+    for d in shape:
+        n *= d
+    storage = torch.UntypedStorage._new_shared(n * torch.empty((), dtype=dtype).element_size())
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+
+
 def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
     """``torch.stack``; in a DataLoader worker into shared memory directly, as torch's default collate
     does (a batch stacked in private memory is copied once more into shared memory to be handed over)."""
@@ -132,15 +149,21 @@ def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(tensors, out=out)
 
 
-def collate(items: list[dict[str, Any]], tokenizer=None) -> Batch:
+def collate(items: list[dict[str, Any]], tokenizer=None, seq_len: int = 0, patch_size: int = 0) -> Batch:
     """The :class:`Batch` of decoded items (:class:`~mmpretrain.data.decode.SampleDecoder`'s dicts): each
     declared field from its item key when every item has one; ``images`` from the items that have one
     (``data.decode=device``: the rest travel as ``jpeg``); ``tokens`` with a tokenizer; with hard negatives
-    (items with ``negative``, None where a sample has none) ``negative_mask`` and ``negative_tokens``."""
+    (items with ``negative``, None where a sample has none) ``negative_mask`` and ``negative_tokens``.
+    ``seq_len`` > 0 (``data.naflex``): the items' images (RGB PIL images) become ``seq_len`` patches of
+    ``patch_size`` each, with ``patch_coord`` and ``patch_valid``."""
     batch = Batch(texts=[it["text"] for it in items], keys=[it["key"] for it in items])
+    if seq_len:
+        per = [image_patches(it["image"], seq_len, patch_size) for it in items]
+        out = _shared((len(items), seq_len, per[0][0].shape[1]), torch.uint8)
+        batch.images, batch.patch_coord, batch.patch_valid = pack([p for p, _ in per], [g for _, g in per], seq_len, out)
     for f in fields(Batch):
         item, dtype = f.metadata.get("item"), f.metadata.get("dtype")
-        if item is None:
+        if item is None or (seq_len and item == "image"):
             continue
         if item == "image":  # partial with the device decoder
             values = [it["image"] for it in items if "image" in it]

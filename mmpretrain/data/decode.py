@@ -21,10 +21,19 @@ import torch
 from PIL import Image
 
 from mmpretrain.data.crop import Box, ResizedCrop, fast_train_transform
+from mmpretrain.data.naflex import normalize_patches
 from mmpretrain.data.jpeg import TruncatedJpeg, check_tail, device_jpeg, read_frame, too_short
 from mmpretrain.data.sidecar import IN_TAR, read_row
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+
+
+class KeepImage:
+    """``data.naflex``'s loader transform: the decoded RGB image as it is (collate resizes it to the grid of
+    its batch's sequence length, :mod:`mmpretrain.data.naflex`)."""
+
+    def __call__(self, img: Image.Image) -> Image.Image:
+        return img
 
 
 class SkipSample(Exception):
@@ -69,6 +78,8 @@ class DeviceNormalize:
         if images.dtype != torch.uint8:
             return images  # already normalised (a loader that kept the float transform, the device decoder)
         self.on(images.device)
+        if images.dim() == 3:  # data.naflex: (B, L, P*P*3) patch sequences, the channel fastest
+            return normalize_patches(images, self.mean, self.std)
         if self.channels_last:
             images = images.permute(0, 3, 1, 2)
         return images.to(torch.float32, memory_format=torch.contiguous_format).div(255).sub_(self.mean).div_(self.std)

@@ -39,7 +39,7 @@ class ImageInput:
         on a background thread (:class:`~mmpretrain.data.device_decode.Prefetcher`)."""
         return Prefetcher(loader, self.decoder) if self.decoder is not None else iter(loader)
 
-    def __call__(self, batch: Batch, device: torch.device) -> torch.Tensor:
+    def __call__(self, batch: Batch, device: torch.device) -> torch.Tensor | dict[str, torch.Tensor]:
         """The model's input for ``batch``: on ``device``, normalised, in the run's layout and dtype. A batch
         not decoded ahead (a direct ``train_step`` call) is decoded here."""
         if self.decoder is not None and (batch.jpeg is not None or batch.images is None
@@ -48,8 +48,11 @@ class ImageInput:
         images = to_device(batch.images, device)
         if self.normalize is not None:  # uint8 from the loader (a quarter of the bytes); float passes as is
             images = self.normalize(images)
-        if self.channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
         if self.dtype is not None:  # DeepSpeed's bf16/fp16 weights; accelerate's autocast is off there
             images = images.to(self.dtype)
+        if batch.patch_coord is not None:  # data.naflex: the NaFlexVit tower's input (mmpretrain.data.naflex)
+            return {"patches": images, "patch_coord": to_device(batch.patch_coord, device),
+                    "patch_valid": to_device(batch.patch_valid, device)}
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
         return images

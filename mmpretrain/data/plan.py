@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from mmpretrain.data import naflex as nf
 from mmpretrain.data.sources import Source
 
 MODES = ("epoch", "resampled")
@@ -71,6 +72,9 @@ class StreamPlan:
     batch_size: int
     num_samples: int  # per epoch: the dataset (epoch mode) or the budget (resampled)
     shuffle_block: int
+    # data.naflex: (sequence lengths, patches per rank per step); a step's batch size is the budget's at the
+    # step's length (mmpretrain.data.naflex); batch_size is then the largest
+    naflex: tuple[tuple[int, ...], int] | None = None
 
     def __post_init__(self):
         self.shards = shards_of(self.sources)
@@ -78,12 +82,42 @@ class StreamPlan:
         # every rank takes `steps` batches an epoch; its batch n comes from worker n % workers (the
         # DataLoader's round robin), so a worker's share of an epoch is a whole number of batches that
         # may differ by one between workers and epochs: at most one global batch is left over
-        self.steps = self.num_samples // (self.world_size * self.batch_size)
+        if self.naflex is not None:
+            lens, budget = self.naflex
+            self.naflex = (tuple(lens), budget)
+            self.sizes = nf.batch_sizes(lens, budget)
+            self.batch_size = max(self.sizes)
+            self.steps = nf.steps_per_epoch(lens, budget, self.num_samples, self.world_size)
+        else:
+            self.steps = self.num_samples // (self.world_size * self.batch_size)
         if self.steps == 0:
+            what = ("data.naflex.max_tokens_per_batch" if self.naflex else "data.batch_size")
             raise ValueError(
                 f"{self.num_samples} samples per epoch cannot fill one batch of {self.batch_size} on each of "
-                f"{self.world_size} rank(s); lower data.batch_size"
+                f"{self.world_size} rank(s); lower {what}"
             )
+        self._batches: dict[int, list[tuple[int, int]]] = {}
+
+    def step_batches(self, epoch: int) -> list[tuple[int, int]]:
+        """``(samples per rank, sequence length or 0)`` of each of the epoch's ``steps`` steps."""
+        if epoch not in self._batches:
+            if self.naflex is None:
+                self._batches = {epoch: [(self.batch_size, 0)] * self.steps}
+            else:
+                lens = self.naflex[0]
+                self._batches = {epoch: [(self.sizes[i], lens[i]) for i in
+                                         nf.step_lengths(lens, self.seed, epoch, self.steps)]}
+        return self._batches[epoch]
+
+    def worker_steps(self, epoch: int, worker: int) -> list[tuple[int, int]]:
+        """The ``(size, length)`` of the batches worker ``worker`` makes in ``epoch``, in order."""
+        first = epoch * self.steps
+        return [b for n, b in enumerate(self.step_batches(epoch)) if (first + n) % self.workers == worker]
+
+    @property
+    def rank_samples(self) -> int:
+        """Samples one rank trains on per epoch."""
+        return self.steps * self.batch_size if self.naflex is None else sum(b for b, _ in self.step_batches(0))
 
     @property
     def urls(self) -> list[str]:
@@ -95,7 +129,7 @@ class StreamPlan:
 
     @property
     def dropped_per_epoch(self) -> int:
-        return self.num_samples - self.world_size * self.steps * self.batch_size if self.mode == "epoch" else 0
+        return self.num_samples - self.world_size * self.rank_samples if self.mode == "epoch" else 0
 
     def worker_batches(self, epoch: int, worker: int) -> int:
         """How many of a rank's ``steps`` batches of ``epoch`` worker ``worker`` makes: the rank's batches
@@ -105,6 +139,8 @@ class StreamPlan:
 
     def reader_length(self, epoch: int, worker: int) -> int:
         """Samples a reader (of any rank) emits in ``epoch``."""
+        if self.naflex is not None:
+            return sum(b for b, _ in self.worker_steps(epoch, worker))
         return self.worker_batches(epoch, worker) * self.batch_size
 
     def first_worker(self, epoch: int) -> int:
@@ -118,7 +154,8 @@ class StreamPlan:
                                          + ([kept] if any(kept) else []))).hexdigest()
         return {"layout": LAYOUT, "mode": self.mode, "seed": self.seed, "world_size": self.world_size, "workers": self.workers,
                 "batch_size": self.batch_size, "num_samples": self.num_samples,
-                "shuffle_block": self.shuffle_block, "data": digest[:16]}
+                "shuffle_block": self.shuffle_block, "data": digest[:16],
+                **({"naflex": [list(self.naflex[0]), self.naflex[1]]} if self.naflex else {})}
 
     def shard_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.shards)))
@@ -141,7 +178,7 @@ class StreamPlan:
     def _start(self, epoch: int, reader: int) -> int:
         """Where a reader's main range starts in the epoch's order."""
         rank, worker = divmod(reader, self.workers)
-        return rank * self.steps * self.batch_size + sum(self.reader_length(epoch, w) for w in range(worker))
+        return rank * self.rank_samples + sum(self.reader_length(epoch, w) for w in range(worker))
 
     def reader_layout(self, epoch: int, reader: int) -> tuple[list[Segment], list[Segment]]:
         """Epoch mode: (main range, spares) of a reader. Main ranges tile ``[0, ranks * steps * batch)``
@@ -150,7 +187,7 @@ class StreamPlan:
         order = self.shard_order(epoch)
         start = self._start(epoch, reader)
         main = self._slice(order, start, start + self.reader_length(epoch, reader % self.workers))
-        used = self.world_size * self.steps * self.batch_size
+        used = self.world_size * self.rank_samples
         each = (self.num_samples - used) // self.readers
         first = used + reader * each
         return main, self._slice(order, first, first + each)

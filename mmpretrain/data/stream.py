@@ -84,9 +84,10 @@ class TrainStream(IterableDataset):
     ``start``: :class:`StreamPosition` state to resume from."""
 
     def __init__(self, plan: StreamPlan, decoder: SampleDecoder, rank: int, tokenizer=None,
-                 start: dict[str, Any] | None = None):
+                 start: dict[str, Any] | None = None, patch_size: int = 0):
         super().__init__()
         self.plan, self.decoder, self.rank, self.tokenizer = plan, decoder, rank, tokenizer
+        self.patch_size = patch_size  # data.naflex: the image tower's patch (images become patch sequences)
         self.cursors = {w: [0, 0, 0, 0] for w in range(plan.workers)}
         self.first_worker = 0
         if start is not None:
@@ -102,7 +103,6 @@ class TrainStream(IterableDataset):
         worker = (physical + self.first_worker) % n  # the loader starts at physical worker 0
         reader = Reader(self.plan, self.decoder, self.rank, worker)
         cursor = list(self.cursors[worker])
-        B = self.plan.batch_size
         while True:
             epoch = cursor[0]
             if cursor[3] >= self.plan.reader_length(epoch, worker):  # a finished epoch: start the next
@@ -116,11 +116,17 @@ class TrainStream(IterableDataset):
                 share += int(self.rank < self.plan.dropped_per_epoch % self.plan.world_size)
                 if share:
                     skipped["dropped_remainder"] += share
+            # this worker's batches of the epoch (size, NaFlex length), from the one the cursor stands at
+            steps = self.plan.worker_steps(epoch, worker)
+            done, k = 0, 0
+            while done < cursor[3]:
+                done, k = done + steps[k][0], k + 1
             items: list[dict[str, Any]] = []
             for item, after in reader.epoch(cursor, skipped):
                 items.append(item)
-                if len(items) == B:
-                    batch = collate(items, self.tokenizer)
+                if len(items) == steps[k][0]:
+                    batch = collate(items, self.tokenizer, seq_len=steps[k][1], patch_size=self.patch_size)
+                    k += 1
                     batch.skipped, batch.epoch, batch.worker, batch.cursor = dict(skipped), epoch, worker, list(after)
                     yield batch
                     items = []

@@ -137,7 +137,7 @@ def _write_export(files: RunFolder, tmp: Path, clip, model_cfg: dict, preprocess
 
     if fmt == "transformers":
         try:
-            save_transformers(clip, model_cfg, preprocess_cfg, tmp, towers)
+            save_transformers(clip, model_cfg, {**preprocess_cfg, **_naflex_length(files)}, tmp, towers)
         except Unsupported as e:
             raise ExportError(str(e)) from None
     else:
@@ -156,3 +156,16 @@ def _write_export(files: RunFolder, tmp: Path, clip, model_cfg: dict, preprocess
     (tmp / "README.md").write_text(model_card(files, model_cfg, repo_id, fmt, towers, wise))
     if wise is not None and "method" in wise:
         (tmp / "wise_ft.json").write_text(json.dumps(wise, indent=2))
+
+
+def _naflex_length(files: RunFolder) -> dict:
+    """A NaFlex run's longest training sequence (``data.naflex.seq_lens``), the exported image processor's
+    default ``max_num_patches``; {} for other runs."""
+    import yaml
+
+    try:
+        naflex = (yaml.safe_load(files.config.read_text()) or {}).get("data", {}).get("naflex") or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+    lens = naflex.get("seq_lens") if isinstance(naflex, dict) else None
+    return {"naflex_seq_len": max(lens)} if isinstance(lens, list) and lens else {}

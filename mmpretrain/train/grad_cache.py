@@ -62,7 +62,15 @@ def _full(x: torch.Tensor) -> torch.Tensor:
 
 
 def _sub(x, s):
+    """Rows ``s`` of a batch tensor, or of each tensor of a NaFlex image dict (patches, coordinates, mask)."""
+    if isinstance(x, dict):
+        return {k: v[s] for k, v in x.items()}
     return None if x is None else x[s]
+
+
+def _first(images):
+    """The images' tensor (a NaFlex dict's patches): its rows and device are the batch's."""
+    return images["patches"] if isinstance(images, dict) else images
 
 
 def for_objective(feats: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -95,7 +103,7 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
     ``patch_keep (B, K)``: the patches the image tower keeps, sliced with the micro-batches, so that grad
     caching's second forward of a micro-batch drops the patches its first did."""
     acc = accelerator
-    B = images.shape[0]
+    B = _first(images).shape[0]
     kw = context or {}
     neg = {} if negative_tokens is None else {"negative_tokens": negative_tokens}
     if encodings:
@@ -108,7 +116,8 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
 
     if not micro_batch or micro_batch >= B:
         with acc.autocast():
-            feats = for_objective(model(images, tokens=tokens, target_embeddings=target_emb, **neg), images.device)
+            feats = for_objective(model(images, tokens=tokens, target_embeddings=target_emb, **neg),
+                                  _first(images).device)
             out = objective(**feats, target_embeddings=target_emb, **kw)
         total = total_of(out)
         ok = True if finite is None else finite(total)
@@ -121,8 +130,8 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
         for j, s in enumerate(chunks):
             with acc.no_sync(model) if j < len(chunks) - 1 else nullcontext():
                 with acc.autocast():
-                    feats = for_objective(model(images[s], tokens=_sub(tokens, s), target_embeddings=_sub(target_emb, s),
-                                                **sub_neg(s)), images.device)
+                    feats = for_objective(model(_sub(images, s), tokens=_sub(tokens, s), target_embeddings=_sub(target_emb, s),
+                                                **sub_neg(s)), _first(images).device)
                     o = objective(**feats, target_embeddings=_sub(target_emb, s),
                                   **{k: _sub(v, s) if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
                 acc.backward(total_of(o) / len(chunks))
@@ -135,13 +144,13 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
         return _result(out, total, torch.cat(fi), torch.cat(ft), ok, feats["logit_scale"])
     if mode != "grad_cache":
         raise ValueError(f"train.micro_batch_mode={mode!r}: grad_cache or accumulate")
-    device = images.device
+    device = _first(images).device
     states, img, txt, negs, encs = [], [], [], [], []
     with torch.no_grad():
         for s in chunks:
             states.append(_rng_state(device))
             with acc.autocast():
-                f = model(images[s], tokens=_sub(tokens, s), target_embeddings=_sub(target_emb, s), **sub_neg(s))
+                f = model(_sub(images, s), tokens=_sub(tokens, s), target_embeddings=_sub(target_emb, s), **sub_neg(s))
             img.append(f["image_features"])
             txt.append(f["text_features"])
             if negative_tokens is not None:
@@ -174,7 +183,7 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
         _set_rng_state(states[j], device)
         with acc.no_sync(model) if not last else nullcontext():
             with acc.autocast():
-                f = model(images[s], tokens=_sub(tokens, s), target_embeddings=_sub(target_emb, s), **sub_neg(s))
+                f = model(_sub(images, s), tokens=_sub(tokens, s), target_embeddings=_sub(target_emb, s), **sub_neg(s))
                 surrogate = (f["image_features"] * img.grad[s]).sum() + (f["text_features"] * txt.grad[s]).sum()
                 if cached_neg is not None and cached_neg.grad is not None:
                     surrogate = surrogate + (f["negative_text_features"] * cached_neg.grad[s]).sum()

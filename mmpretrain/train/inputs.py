@@ -15,7 +15,7 @@ from open_clip.transform import PreprocessCfg, image_transform_v2
 from mmpretrain.config import ConfigError, ExperimentConfig
 from mmpretrain.data import host_memory
 from mmpretrain.data.crop import ResizedCrop
-from mmpretrain.data.decode import SampleDecoder, split_normalize
+from mmpretrain.data.decode import DeviceNormalize, KeepImage, SampleDecoder, split_normalize
 from mmpretrain.data.device_decode import DeviceDecoder
 from mmpretrain.data.image_input import ImageInput
 from mmpretrain.data.keep import attach_keep
@@ -28,6 +28,7 @@ from mmpretrain.data.stream import TrainStream
 from mmpretrain.data.teacher import attach_teachers
 from mmpretrain.losses import WeightedObjective
 from mmpretrain.models import factory
+from mmpretrain.models.naflex import is_naflex, naflex_geometry
 from mmpretrain.train.schedule import Schedule, resolve_schedule
 
 
@@ -66,11 +67,14 @@ def attach_teachers_for(cfg: ExperimentConfig, sources: list[Source], objective:
 def build_data(cfg: ExperimentConfig, sources: list[Source], world_size: int) -> Data:
     """The stream plan over ``sources`` (everything attached to them) and the schedule it implies."""
     try:
+        nf = cfg.data.naflex
         plan = StreamPlan(sources, cfg.data.mode, cfg.seed, world_size, max(1, cfg.data.num_workers),
-                          cfg.data.batch_size, samples_per_epoch(cfg, sources), cfg.data.shuffle_buffer)
+                          cfg.data.batch_size, samples_per_epoch(cfg, sources), cfg.data.shuffle_buffer,
+                          naflex=(tuple(nf.seq_lens), nf.max_tokens_per_batch) if nf is not None else None)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return Data(sources, plan, resolve_schedule(cfg, plan.steps_per_epoch, plan.num_samples, world_size))
+    return Data(sources, plan, resolve_schedule(cfg, plan.steps_per_epoch, plan.num_samples, world_size,
+                                                plan.batch_size))
 
 
 def samples_per_epoch(cfg: ExperimentConfig, sources: list[Source]) -> int:
@@ -122,6 +126,9 @@ def image_input(cfg: ExperimentConfig, model, device: torch.device, dtype: torch
     """The run's :class:`~mmpretrain.data.image_input.ImageInput`: open_clip's training transform in the
     loader, its normalisation on the device and, with ``data.decode=device`` (read here only), the
     device decoder. ``teacher``: the objective trains on stored teacher crops."""
+    if cfg.data.naflex is not None:  # each image to its batch's grid in collate; normalised on the device
+        pre = model.preprocess_cfg
+        return ImageInput(KeepImage(), DeviceNormalize(pre["mean"], pre["std"]), None, False, dtype)
     transform, normalize = train_transform(cfg, model)
     if teacher and not isinstance(transform, ResizedCrop):
         raise ConfigError(f"the objective trains on the teacher's stored crops, which replay open_clip's plain random "
@@ -157,11 +164,14 @@ def build_loader(cfg: ExperimentConfig, data: Data, model, objective: WeightedOb
         embedding_dim=embedding_dim, max_pixels=cfg.data.max_pixels, captions=cfg.data.captions,
         device_decode=images.device_decode, needs=objective.needs,
     )
+    patch = naflex_patch(model.module.clip.visual) if cfg.data.naflex is not None else 0
     stream = TrainStream(data.plan, decoder, rank, start=position.state() if position is not None else None,
-                         tokenizer=tokenizer)
+                         tokenizer=tokenizer, patch_size=patch)
     d = cfg.data
     context = 0 if cfg.model.text_from_targets else model.model_cfg.get("text_cfg", {}).get("context_length", factory.CONTEXT_LENGTH)
     batch = host_memory.batch_bytes(data.schedule.batch_size, size, context, embedding_dim or 0)
+    if patch:  # the largest step's patches (uint8) and their coordinates and mask
+        batch += cfg.data.naflex.max_tokens_per_batch * (3 * patch * patch + 17) - data.schedule.batch_size * 3 * size * size
     ranks = host_memory.local_ranks()
     try:
         host_memory.check_shm(host_memory.shm_bytes(batch, d.num_workers, d.prefetch_factor, ranks), batch,
@@ -175,3 +185,23 @@ def build_loader(cfg: ExperimentConfig, data: Data, model, objective: WeightedOb
                   "the pinned allocator would round each up to a power of two)", file=sys.stderr)
     return make_loader(stream, d.num_workers, pin_memory=pin_memory, worker_nice=d.worker_nice,
                        prefetch_factor=d.prefetch_factor)
+
+
+def naflex_patch(visual) -> int:
+    """The NaFlex image tower's patch size."""
+    return naflex_geometry(visual)[0]
+
+
+def check_naflex(cfg: ExperimentConfig, model) -> None:
+    """A NaFlex image tower takes patch sequences (``data.naflex``) and nothing else takes them."""
+    naflex = is_naflex(model.model_cfg)
+    if naflex and cfg.data.naflex is None:
+        raise ConfigError(f"model.arch={cfg.model.arch} is a NaFlex image tower, which takes patch sequences: set "
+                          "data.naflex.seq_lens and data.naflex.max_tokens_per_batch (configs/tiny/naflex.yaml)")
+    if cfg.data.naflex is not None and not naflex:
+        raise ConfigError(f"data.naflex makes patch sequences, which model.arch={cfg.model.arch}'s image tower does not "
+                          "take: use a NaFlex arch (mmpt-tiny-naflex, or vision_cfg.timm_model_name naflexvit_*) or "
+                          "remove data.naflex")
+    if naflex and cfg.model.patch_dropout:
+        raise ConfigError("model.patch_dropout drops an open_clip ViT's patches; a NaFlex tower's sequences are "
+                          "already as long as the step's length: remove model.patch_dropout")

@@ -101,7 +101,7 @@ def fit(run: Run) -> dict[str, Any]:
                desc="train", unit="step")
     # data.decode=device: each batch's JPEGs decoded on the device, one batch ahead on a background thread
     it = run.images.batches(run.loader)
-    t0, last, last_step = time.time(), time.time(), st.step
+    t0, last, last_step, last_samples = time.time(), time.time(), st.step, st.samples
     rec: dict[str, Any] = {}
     waited = 0.0  # seconds spent waiting for the loader since the last record (open_clip's data_time)
     try:
@@ -115,7 +115,7 @@ def fit(run: Run) -> dict[str, Any]:
             st.step += 1
             if run.ema is not None:
                 run.ema.update(st.step)
-            st.samples += sched.global_batch_size
+            st.samples += len(batch) * sched.world_size  # every rank the same size in a step (data.naflex: by step)
             bar.update(1)
             end = st.step == stop  # the run's or its phase's last step: logged, evaluated, checkpointed
             diag = bool(sched.diagnostics_every) and (st.step % sched.diagnostics_every == 0 or end)
@@ -125,14 +125,15 @@ def fit(run: Run) -> dict[str, Any]:
             if log or evaluating or saving:  # the device's non-finite count, read (train.nonfinite may stop here)
                 run.nonfinite.settle(st, cfg)
             if log:
-                rec = log_record(run, res.terms, res.loss, res.terms["lr"], last, st.step - last_step, res.logit_scale)
+                rec = log_record(run, res.terms, res.loss, res.terms["lr"], last, st.samples - last_samples,
+                                 res.logit_scale)
                 # this rank's (the main process's) wait for data: per step, and as a share of the interval
                 rec["data_time"] = waited / max(1, st.step - last_step)
                 rec["data_wait_fraction"] = min(1.0, waited / max(time.time() - last, 1e-9))
                 waited = 0.0
                 if diag:
                     rec.update(diagnostics(run, res.features))
-                last, last_step = time.time(), st.step
+                last, last_step, last_samples = time.time(), st.step, st.samples
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", scale=f"{rec['logit_scale']:.1f}",
                                 samples_s=f"{rec['samples_per_s']:.0f}")
                 run.write(rec)

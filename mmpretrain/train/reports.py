@@ -19,11 +19,11 @@ from mmpretrain.train.state import Run
 
 
 def log_record(run: Run, terms: dict[str, torch.Tensor], loss: torch.Tensor, lr: float, since: float,
-               steps: int, logit_scale: torch.Tensor | None = None) -> dict[str, Any]:
+               samples: int, logit_scale: torch.Tensor | None = None) -> dict[str, Any]:
     """The record of the step just taken (``run.state.step``): every ``*_loss``/``*_unweighted`` term and
     the total, averaged over ranks; the objective's own diagnostics (``"regions/m5/q_entropy"``: keys
-    with a ``/``, equal on every rank); learning rate, scale, throughput since ``since`` over ``steps``
-    steps, skipped samples by reason (all ranks)."""
+    with a ``/``, equal on every rank); learning rate, scale, throughput since ``since`` over ``samples``
+    samples (all ranks), skipped samples by reason (all ranks)."""
     acc, st = run.accelerator, run.state
     keys = loss_terms(terms)
     vals = acc.reduce(torch.stack([terms[k].detach().float() for k in keys] + [loss.detach().float()])
@@ -40,7 +40,7 @@ def log_record(run: Run, terms: dict[str, torch.Tensor], loss: torch.Tensor, lr:
                 rec[k] = float(v)
     if logit_scale is not None:  # the forward's (under FSDP the parameter is sharded)
         rec["logit_scale"] = float(logit_scale)
-    rec["samples_per_s"] = steps * run.schedule.global_batch_size / max(time.time() - since, 1e-9)
+    rec["samples_per_s"] = samples / max(time.time() - since, 1e-9)
     rec["skipped"] = all_ranks_skipped(acc, st.skipped)
     rec["nonfinite_steps"] = st.nonfinite_steps
     return rec

@@ -41,6 +41,7 @@ from mmpretrain.train.inputs import (
     attach_teachers_for,
     build_data,
     build_loader,
+    check_naflex,
     image_input,
     load_sources,
     pins,
@@ -230,6 +231,7 @@ def setup(cfg: ExperimentConfig) -> Run:
     phase = phase_at(phases, saved["step"] if saved is not None else 0)
     model = build_model(phase_config(cfg, phase), objective, sharded)  # at the phase's image size and dropout
     check_phases(phases, model.module.clip.visual, cfg.model.arch, sharded)
+    check_naflex(cfg, model)
     # the same initial weights on every rank (seeded above), then each rank its own random stream, so
     # that dropout and patch dropout draw different masks on different ranks (seed + rank)
     set_seed(cfg.seed, device_specific=True)

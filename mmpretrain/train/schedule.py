@@ -34,9 +34,11 @@ class Schedule:
         return step / self.steps_per_epoch
 
 
-def resolve_schedule(cfg: ExperimentConfig, steps_per_epoch: int, num_samples: int, world_size: int) -> Schedule:
+def resolve_schedule(cfg: ExperimentConfig, steps_per_epoch: int, num_samples: int, world_size: int,
+                     batch_size: int | None = None) -> Schedule:
     """Durations converted to steps once, from the stream's steps per epoch (mmpretrain/data/plan.py), and
-    the global batch (``data.batch_size`` x ``world_size``), which everything after setup reads from here."""
+    the global batch (``batch_size``, default ``data.batch_size``, x ``world_size``; with ``data.naflex`` the
+    largest step's, which the memory declarations hold at), which everything after setup reads from here."""
     if cfg.train.steps is not None:
         total = cfg.train.steps
     else:
@@ -49,7 +51,7 @@ def resolve_schedule(cfg: ExperimentConfig, steps_per_epoch: int, num_samples: i
         every = cfg.train.log_every
         diag = every * max(1, round(total / (50 * every)))
     return Schedule(total_steps=total, warmup_steps=warmup, steps_per_epoch=steps_per_epoch, num_samples=num_samples,
-                    global_batch_size=cfg.data.batch_size * world_size, world_size=world_size, diagnostics_every=diag)
+                    global_batch_size=(batch_size or cfg.data.batch_size) * world_size, world_size=world_size, diagnostics_every=diag)
 
 
 def lr_at(step: int, *, base_lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0) -> float:
