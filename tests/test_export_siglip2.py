@@ -11,7 +11,12 @@ import mmpretrain.models.naflex  # noqa: F401  (registers mmpt_naflexvit_tiny wi
 from mmpretrain.data import naflex
 from mmpretrain.export.hf import Unsupported, save_transformers
 from mmpretrain.export.siglip2 import to_siglip2
-from mmpretrain.models.factory import instantiate, make_tokenizer, register_packaged_configs, resolve_model_cfg
+from mmpretrain.models.factory import (
+    instantiate,
+    make_tokenizer,
+    register_packaged_configs,
+    resolve_model_cfg,
+)
 
 MEAN = STD = (0.5, 0.5, 0.5)
 

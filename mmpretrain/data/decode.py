@@ -21,8 +21,8 @@ import torch
 from PIL import Image
 
 from mmpretrain.data.crop import Box, ResizedCrop, fast_train_transform
-from mmpretrain.data.naflex import normalize_patches
 from mmpretrain.data.jpeg import TruncatedJpeg, check_tail, device_jpeg, read_frame, too_short
+from mmpretrain.data.naflex import normalize_patches
 from mmpretrain.data.sidecar import IN_TAR, read_row
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")

@@ -110,7 +110,13 @@ def _vision_state(trunk) -> dict[str, torch.Tensor]:
 def to_siglip2(clip, model_cfg: dict, preprocess_cfg: dict, towers: str = "both", max_patches: int = 256):
     """``(model, image_processor)``: ``Siglip2Model`` (``Siglip2VisionModel`` for ``towers="image"``) with
     the same weights, and a ``Siglip2ImageProcessor`` at ``max_patches`` patches (its default length)."""
-    from transformers import Siglip2Config, Siglip2ImageProcessor, Siglip2Model, Siglip2VisionConfig, Siglip2VisionModel
+    from transformers import (
+        Siglip2Config,
+        Siglip2ImageProcessor,
+        Siglip2Model,
+        Siglip2VisionConfig,
+        Siglip2VisionModel,
+    )
 
     problems = _check(clip, model_cfg, towers)
     if problems:

@@ -27,8 +27,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 from mmpretrain.hub_cache import quiet_load
-from mmpretrain.models import naflex  # noqa: F401  (registers mmpt_naflexvit_tiny with timm)
-from mmpretrain.models import patch_dropout
+from mmpretrain.models import (
+    naflex,  # noqa: F401  (registers mmpt_naflexvit_tiny with timm)
+    patch_dropout,
+)
 from mmpretrain.models.text import encode_text_trimmed
 from mmpretrain.run_files import MODEL_WEIGHTS, RunFolder, checkpoint_clip_weights
 
