@@ -202,6 +202,3 @@ def check_naflex(cfg: ExperimentConfig, model) -> None:
         raise ConfigError(f"data.naflex makes patch sequences, which model.arch={cfg.model.arch}'s image tower does not "
                           "take: use a NaFlex arch (mmpt-tiny-naflex, or vision_cfg.timm_model_name naflexvit_*) or "
                           "remove data.naflex")
-    if naflex and cfg.model.patch_dropout:
-        raise ConfigError("model.patch_dropout drops an open_clip ViT's patches; a NaFlex tower's sequences are "
-                          "already as long as the step's length: remove model.patch_dropout")
