@@ -9,8 +9,8 @@ from PIL import Image
 
 import mmpretrain.models.naflex  # noqa: F401  (registers mmpt_naflexvit_tiny with timm)
 from mmpretrain.data import naflex
-from mmpretrain.export.hf import Unsupported, save_transformers
-from mmpretrain.export.siglip2 import to_siglip2
+from mmpretrain.export.hf import Unsupported
+from mmpretrain.export.siglip2 import save_siglip2, to_siglip2
 from mmpretrain.models.factory import (
     instantiate,
     make_tokenizer,
@@ -47,7 +47,7 @@ def test_siglip2_from_pretrained_gives_our_features(model, tmp_path, seq_len):
     from transformers import AutoImageProcessor, CLIPTokenizer, Siglip2Model
 
     clip, cfg = model
-    save_transformers(clip, cfg, {"mean": MEAN, "std": STD, "naflex_seq_len": seq_len}, tmp_path)
+    save_siglip2(clip, cfg, {"mean": MEAN, "std": STD, "naflex_seq_len": seq_len}, tmp_path)
     hf = Siglip2Model.from_pretrained(str(tmp_path)).eval()
     imgs, x, coord, valid, shapes = _inputs(seq_len)
     tokens = make_tokenizer(cfg)(["a cat", "two dogs on a red sofa", "x"])
@@ -74,7 +74,7 @@ def test_the_image_tower_alone_is_a_siglip2_vision_model(model, tmp_path):
     from transformers import Siglip2VisionModel
 
     clip, cfg = model
-    save_transformers(clip, cfg, {"mean": MEAN, "std": STD}, tmp_path, towers="image")
+    save_siglip2(clip, cfg, {"mean": MEAN, "std": STD}, tmp_path, towers="image")
     hf = Siglip2VisionModel.from_pretrained(str(tmp_path)).eval()
     _, x, coord, valid, shapes = _inputs(16)
     with torch.no_grad():

@@ -11,10 +11,11 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from conftest import ROOT, run_main, setup_run, train
 from mmpretrain.data import naflex
 from mmpretrain.data.stream import TrainStream
 from mmpretrain.testing.photos import bad_huffman, make_jpegs, write_shards
+
+from conftest import ROOT, run_main, setup_run, train
 
 CONFIG = ROOT / "configs/tiny/naflex.yaml"
 LENS, BUDGET = [4, 16, 36], 144  # 36, 9 and 4 samples per rank
@@ -114,6 +115,16 @@ def test_a_naflex_run_resumes_bit_for_bit_mid_epoch(openmoji, tmp_path):
         ft = ours.encode_text(tokens, normalize=True)
     torch.testing.assert_close(o.image_embeds, fi, atol=1e-5, rtol=0)
     torch.testing.assert_close(o.text_embeds, ft, atol=1e-5, rtol=0)
+    # evaluated at several lengths, one entry each; the same length through the loaded model by hand
+    results = tmp_path / "results.json"
+    r = run_main("mmpretrain.eval", "--model", str(run), "--dataset", str(openmoji / "test"), "--task",
+                 "zeroshot_classification", "--naflex-seq-len", "4", "36", "--num_workers", "0", "--output", str(results))
+    assert r.returncode == 0, r.stderr[-3000:]
+    entries = json.loads(results.read_text())["results"]
+    assert [e["model"] for e in entries] == [f"{run}@4", f"{run}@36"]
+    r = run_main("mmpretrain.eval", "--model", str(run), "--dataset", str(openmoji / "test"), "--task",
+                 "zeroshot_classification", "--naflex-seq-len", "0")
+    assert r.returncode == 2 and "positive lengths" in r.stderr
 
 
 def test_bad_images_are_counted_and_odd_shapes_train(tmp_path):
@@ -148,3 +159,9 @@ def test_bad_images_are_counted_and_odd_shapes_train(tmp_path):
 def test_naflex_refusals_are_one_line(openmoji, tmp_path, overrides, message):
     r = train(openmoji / "train", tmp_path / "run", *overrides, config=CONFIG)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_naflex_seq_len_on_a_square_model_is_refused(demo_run, openmoji):
+    r = run_main("mmpretrain.eval", "--model", str(demo_run), "--dataset", str(openmoji / "test"), "--task",
+                 "zeroshot_classification", "--naflex-seq-len", "16")
+    assert r.returncode == 2 and "is not a NaFlex model" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

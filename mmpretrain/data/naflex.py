@@ -130,3 +130,25 @@ def steps_per_epoch(seq_lens: Sequence[int], max_tokens: int, samples: int, worl
         left -= size
         steps += 1
     return steps
+
+
+class NaFlexPreprocess:
+    """The evaluation transform of a NaFlex model at ``seq_len`` patches: a PIL image -> one float tensor
+    ``(seq_len, P*P*3 + 3)``, the normalised patches then each patch's row, column and validity, so that
+    the evaluation's batching, rank split and gather stack it as any image tensor
+    (:func:`unpack_patches` takes it apart; :class:`mmpretrain.models.naflex.NaFlexInputs` does)."""
+
+    def __init__(self, seq_len: int, patch_size: int, mean, std):
+        self.seq_len, self.patch_size = seq_len, patch_size
+        self.mean, self.std = torch.as_tensor(mean, dtype=torch.float32), torch.as_tensor(std, dtype=torch.float32)
+
+    def __call__(self, img: Image.Image) -> torch.Tensor:
+        patches, grid = image_patches(img.convert("RGB"), self.seq_len, self.patch_size)
+        p, coord, valid = pack([patches], [grid], self.seq_len)
+        x = normalize_patches(p, self.mean, self.std)[0]
+        return torch.cat([x, coord[0].float(), valid[0, :, None].float()], dim=1)
+
+
+def unpack_patches(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """:class:`NaFlexPreprocess`'s stacked tensors ``(B, L, D + 3)`` -> the NaFlexVit tower's input dict."""
+    return {"patches": x[..., :-3], "patch_coord": x[..., -3:-1].round().long(), "patch_valid": x[..., -1] > 0.5}

@@ -49,7 +49,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="WiSE-FT curve: evaluate (1 - alpha) x PRETRAINED + alpha x MODEL at each --alpha (PRETRAINED "
                         "as model.pretrained takes it; without a value, the run's own model.pretrained)")
     p.add_argument("--alpha", type=float, nargs="+", default=None, help="with --interpolate: values in [0, 1]")
+    p.add_argument("--naflex-seq-len", type=int, nargs="+", default=None, metavar="N",
+                   help="a NaFlex model at N image patches, one entry per N (default: a run's longest training "
+                        "length, else the model's position table's)")
     args = p.parse_args(argv)
+    if args.naflex_seq_len is not None and (min(args.naflex_seq_len) < 1 or args.interpolate is not None):
+        p.error("--naflex-seq-len takes positive lengths, without --interpolate")
     if (args.interpolate is None) != (args.alpha is None):
         p.error("--interpolate and --alpha go together: --interpolate PRETRAINED --alpha 0 0.5 1")
     if args.alpha is not None and not all(0.0 <= a <= 1.0 for a in args.alpha):
@@ -94,15 +99,33 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    def evaluate_all(tag: str = "") -> list[dict]:
+    from mmpretrain.models.naflex import NaFlexInputs
+
+    naflex = isinstance(model, NaFlexInputs)
+    if args.naflex_seq_len is not None and not naflex:
+        print(f"error: --naflex-seq-len: --model {args.model} is not a NaFlex model (its image tower takes "
+              "square images); drop the flag", file=sys.stderr)
+        return 2
+    if naflex and args.interpolate is not None:
+        print("error: --interpolate does not take a NaFlex model yet: evaluate each with --naflex-seq-len",
+              file=sys.stderr)
+        return 2
+
+    def evaluate_all(tag: str = "", pre=None) -> list[dict]:
         features: dict = {}  # one model: the probe tasks on a dataset share its image pass
-        return [evaluate(model, preprocess, tokenizer, d, task, model_name=args.model + tag,
+        return [evaluate(model, pre or preprocess, tokenizer, d, task, model_name=args.model + tag,
                          batch_size=args.batch_size, recall_k=args.recall_k, device=device,
                          num_workers=args.num_workers, rank=proc.rank, world_size=proc.world_size, features=features)
                 for d, task in zip(data, tasks)]
 
     try:
-        if args.interpolate is None:
+        if naflex:  # one entry per length, named by it
+            from mmpretrain.data.naflex import NaFlexPreprocess
+
+            lengths = args.naflex_seq_len or [preprocess.seq_len]
+            entries = [e for n in lengths for e in evaluate_all(
+                f"@{n}", NaFlexPreprocess(n, preprocess.patch_size, preprocess.mean, preprocess.std))]
+        elif args.interpolate is None:
             entries = evaluate_all()
         else:
             from mmpretrain.eval.wise_ft import sweep

@@ -134,10 +134,15 @@ def _write_export(files: RunFolder, tmp: Path, clip, model_cfg: dict, preprocess
     from transformers import AutoTokenizer
 
     from mmpretrain.export.hf import Unsupported, save_transformers
+    from mmpretrain.export.siglip2 import save_siglip2
+    from mmpretrain.models.naflex import is_naflex
 
     if fmt == "transformers":
         try:
-            save_transformers(clip, model_cfg, {**preprocess_cfg, **_naflex_length(files)}, tmp, towers)
+            if is_naflex(model_cfg):
+                save_siglip2(clip, model_cfg, {**preprocess_cfg, **_naflex_length(files)}, tmp, towers)
+            else:
+                save_transformers(clip, model_cfg, preprocess_cfg, tmp, towers)
         except Unsupported as e:
             raise ExportError(str(e)) from None
     else:
@@ -158,14 +163,10 @@ def _write_export(files: RunFolder, tmp: Path, clip, model_cfg: dict, preprocess
         (tmp / "wise_ft.json").write_text(json.dumps(wise, indent=2))
 
 
-def _naflex_length(files: RunFolder) -> dict:
-    """A NaFlex run's longest training sequence (``data.naflex.seq_lens``), the exported image processor's
-    default ``max_num_patches``; {} for other runs."""
-    import yaml
 
-    try:
-        naflex = (yaml.safe_load(files.config.read_text()) or {}).get("data", {}).get("naflex") or {}
-    except (OSError, yaml.YAMLError):
-        return {}
-    lens = naflex.get("seq_lens") if isinstance(naflex, dict) else None
-    return {"naflex_seq_len": max(lens)} if isinstance(lens, list) and lens else {}
+def _naflex_length(files: RunFolder) -> dict:
+    """A NaFlex run's longest training sequence, the exported image processor's default ``max_num_patches``."""
+    from mmpretrain.models.from_disk import run_longest_length
+
+    longest = run_longest_length(files.config)
+    return {"naflex_seq_len": longest} if longest else {}

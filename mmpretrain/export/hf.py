@@ -5,13 +5,12 @@ transformer, bias-free projection, no layer scale) and the standard open_clip te
 (causal, pooled at the end-of-text token, CLIP's BPE vocabulary). Anything else (ResNet or timm image
 towers, Hugging Face text towers, attentional pooling, ...) is refused with what is unsupported:
 ``transformers`` has no class that computes it. The tokenizer files are generated from open_clip's
-own BPE vocabulary, so nothing is downloaded. A NaFlex model (timm ``NaFlexVit`` image tower) becomes a
-``Siglip2Model`` instead (:mod:`mmpretrain.export.siglip2`).
+own BPE vocabulary, so nothing is downloaded. A NaFlex model (timm ``NaFlexVit`` image tower) is
+:mod:`mmpretrain.export.siglip2`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
@@ -175,20 +174,8 @@ def write_clip_tokenizer(out: Path, context_length: int, pad_token: str = "<|end
 
 
 def save_transformers(clip, model_cfg: dict, preprocess_cfg: dict, out: Path, towers: str = "both") -> None:
-    """CLIPModel + CLIPProcessor; for a NaFlex model (timm NaFlexVit image tower) Siglip2Model, its
-    Siglip2ImageProcessor and CLIP's tokenizer (:mod:`mmpretrain.export.siglip2`)."""
-    naflex = "naflexvit" in str(model_cfg.get("vision_cfg", {}).get("timm_model_name", ""))
-    quiet = contextlib.nullcontext()
-    if naflex:
-        from mmpretrain.export.siglip2 import saving, to_siglip2
-
-        model, image_processor = to_siglip2(clip, model_cfg, preprocess_cfg, towers,
-                                            max_patches=preprocess_cfg.get("naflex_seq_len", 256))
-        quiet = saving()
-    else:
-        model, image_processor = to_transformers(clip, model_cfg, preprocess_cfg, towers)
-    with quiet:
-        model.save_pretrained(str(out), safe_serialization=True)
+    model, image_processor = to_transformers(clip, model_cfg, preprocess_cfg, towers)
+    model.save_pretrained(str(out), safe_serialization=True)
     image_processor.save_pretrained(str(out))
     if towers == "both":
         from transformers import CLIPProcessor, CLIPTokenizer
@@ -196,9 +183,6 @@ def save_transformers(clip, model_cfg: dict, preprocess_cfg: dict, out: Path, to
         # here, not at the top: the factory imports open_clip, which the export's --help does without
         from mmpretrain.models.factory import CONTEXT_LENGTH
 
-        write_clip_tokenizer(out, model_cfg["text_cfg"].get("context_length", CONTEXT_LENGTH),
-                             pad_token="!" if naflex else "<|endoftext|>")
-        if not naflex:  # Siglip2Processor would load its tokenizer as Gemma's class, which cannot read CLIP's
-            # BPE (so does AutoTokenizer, by the folder's model type): read with AutoImageProcessor + CLIPTokenizer
-            CLIPProcessor(image_processor=image_processor, tokenizer=CLIPTokenizer.from_pretrained(str(out))
-                          ).save_pretrained(str(out))
+        write_clip_tokenizer(out, model_cfg["text_cfg"].get("context_length", CONTEXT_LENGTH))
+        CLIPProcessor(image_processor=image_processor, tokenizer=CLIPTokenizer.from_pretrained(str(out))
+                      ).save_pretrained(str(out))

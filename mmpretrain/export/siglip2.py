@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
-from mmpretrain.export.hf import Unsupported, _layers, _load, _text_parts
+from mmpretrain.export.hf import Unsupported, _layers, _load, _text_parts, write_clip_tokenizer
 
 
 class _DefaultVocabCheck(logging.Filter):
@@ -161,3 +161,21 @@ def to_siglip2(clip, model_cfg: dict, preprocess_cfg: dict, towers: str = "both"
     model = Siglip2Model(Siglip2Config(text_config=text.to_dict(), vision_config=vision.to_dict()))
     _load(model, sd)
     return model.eval(), processor
+
+
+def save_siglip2(clip, model_cfg: dict, preprocess_cfg: dict, out, towers: str = "both") -> None:
+    """``Siglip2Model`` (or ``Siglip2VisionModel``), its ``Siglip2ImageProcessor`` at
+    ``preprocess_cfg["naflex_seq_len"]`` patches (default 256) and CLIP's tokenizer into ``out``. No
+    ``Siglip2Processor``: it loads its tokenizer as Gemma's class, which cannot read CLIP's BPE, and so does
+    ``AutoTokenizer`` for a siglip2 folder; read the folder with ``AutoImageProcessor`` + ``CLIPTokenizer``."""
+    model, image_processor = to_siglip2(clip, model_cfg, preprocess_cfg, towers,
+                                        max_patches=preprocess_cfg.get("naflex_seq_len", 256))
+    with saving():
+        model.save_pretrained(str(out), safe_serialization=True)
+    image_processor.save_pretrained(str(out))
+    if towers == "both":
+        from mmpretrain.models.factory import CONTEXT_LENGTH
+
+        # padded with id 0 ("!"), as open_clip's tokenizer pads in training: the last position is read
+        write_clip_tokenizer(out, model_cfg["text_cfg"].get("context_length", CONTEXT_LENGTH), pad_token="!")
+

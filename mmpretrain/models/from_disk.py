@@ -14,6 +14,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from mmpretrain.models.factory import instantiate, make_tokenizer, register_packaged_configs
+from mmpretrain.models.naflex import for_eval, is_naflex_tower
 from mmpretrain.run_files import RunFolder, checkpoint_clip_weights
 
 
@@ -83,13 +84,33 @@ def _lora_of(files: RunFolder) -> dict | None:
     return (cfg.get("model") or {}).get("lora")
 
 
-def load_model(path: str, device: str = "cpu", pretrained: str | None = None):
+def load_model(path: str, device: str = "cpu", pretrained: str | None = None, naflex_seq_len: int | None = None):
     """``(model, preprocess, tokenizer)`` from a run folder, an export folder (``local-dir:`` too),
     ``hf-hub:ID``, or an open_clip architecture name with ``pretrained``. What cannot be loaded is a
     FileNotFoundError / ValueError saying why and the fix, not naming ``path`` (the caller names it with its
-    flag): no such model, damaged weights, a pickle holding more than tensors (never unpickled)."""
+    flag): no such model, damaged weights, a pickle holding more than tensors (never unpickled).
+    A NaFlex model comes wrapped (:class:`~mmpretrain.models.naflex.NaFlexInputs`) with its transform at
+    ``naflex_seq_len`` patches (default: a run's longest training length, else its position table's)."""
     with readable_weights():
-        return _load_model(path, device, pretrained)
+        model, preprocess, tokenizer = _load_model(path, device, pretrained)
+    if not is_naflex_tower(model.visual):
+        return model, preprocess, tokenizer
+    folder = RunFolder(Path(str(path).removeprefix("local-dir:")))
+    seq_len = naflex_seq_len or run_longest_length(folder.config)
+    norm = preprocess.transforms[-1]  # open_clip's eval transform ends in Normalize(mean, std)
+    model, preprocess = for_eval(model, {"mean": tuple(norm.mean), "std": tuple(norm.std)}, seq_len)
+    return model, preprocess, tokenizer
+
+
+def run_longest_length(config: Path) -> int | None:
+    """A NaFlex run's longest ``data.naflex.seq_lens``, from its config.yaml (None: not a NaFlex run)."""
+    import yaml
+
+    try:
+        lens = ((yaml.safe_load(config.read_text()) or {}).get("data", {}).get("naflex") or {}).get("seq_lens")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    return max(lens) if isinstance(lens, list) and lens else None
 
 
 def _load_model(path: str, device: str, pretrained: str | None):

@@ -37,3 +37,57 @@ def naflex_geometry(visual: nn.Module) -> tuple[int, int]:
     embeds = visual.trunk.embeds
     p = embeds.patch_size
     return (p[0] if isinstance(p, (tuple, list)) else int(p)), int(embeds.pos_embed.shape[1])
+
+
+def is_naflex_tower(visual: nn.Module) -> bool:
+    """Whether a built image tower is a NaFlexVit trunk (it takes patch sequences)."""
+    return type(getattr(visual, "trunk", None)).__name__ == "NaFlexVit"
+
+
+class NaFlexInputs:
+    """A NaFlex model for the evaluation and :func:`mmpretrain.load`: ``encode_image`` takes the stacked
+    tensors of :class:`~mmpretrain.data.naflex.NaFlexPreprocess` (or the tower's dict as is); everything
+    else is the open_clip model's."""
+
+    def __init__(self, clip: nn.Module):
+        self.clip = clip
+
+    def __getattr__(self, name):
+        return getattr(self.clip, name)
+
+    def encode_image(self, images, normalize: bool = False):
+        from mmpretrain.data.naflex import (
+            unpack_patches,  # the model layer reads the data layer's format here
+        )
+
+        x = images if isinstance(images, dict) else unpack_patches(images)
+        return self.clip.encode_image(x, normalize=normalize)
+
+    def eval(self) -> NaFlexInputs:
+        self.clip.eval()
+        return self
+
+    def train(self, mode: bool = True) -> NaFlexInputs:
+        self.clip.train(mode)
+        return self
+
+    def to(self, *args, **kwargs) -> NaFlexInputs:
+        self.clip.to(*args, **kwargs)
+        return self
+
+
+def wrapped(clip: nn.Module):
+    """A NaFlex model as the evaluation takes it (:class:`NaFlexInputs`), any other as it is."""
+    return NaFlexInputs(clip) if is_naflex_tower(clip.visual) else clip
+
+
+def for_eval(clip: nn.Module, preprocess_cfg: dict, seq_len: int | None = None):
+    """``(model, preprocess)`` for the evaluation: a NaFlex model wrapped with its transform at ``seq_len``
+    patches (default: its position table's, the length it is sized for); any other model as it is (None)."""
+    if not is_naflex_tower(clip.visual):
+        return clip, None
+    from mmpretrain.data.naflex import NaFlexPreprocess
+
+    patch, side = naflex_geometry(clip.visual)
+    return NaFlexInputs(clip), NaFlexPreprocess(seq_len or side * side, patch, preprocess_cfg["mean"],
+                                                preprocess_cfg["std"])

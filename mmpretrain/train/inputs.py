@@ -28,7 +28,7 @@ from mmpretrain.data.stream import TrainStream
 from mmpretrain.data.teacher import attach_teachers
 from mmpretrain.losses import WeightedObjective
 from mmpretrain.models import factory
-from mmpretrain.models.naflex import is_naflex, naflex_geometry
+from mmpretrain.models.naflex import for_eval, is_naflex, naflex_geometry
 from mmpretrain.train.schedule import Schedule, resolve_schedule
 
 
@@ -202,3 +202,10 @@ def check_naflex(cfg: ExperimentConfig, model) -> None:
         raise ConfigError(f"data.naflex makes patch sequences, which model.arch={cfg.model.arch}'s image tower does not "
                           "take: use a NaFlex arch (mmpt-tiny-naflex, or vision_cfg.timm_model_name naflexvit_*) or "
                           "remove data.naflex")
+
+
+def eval_preprocess(cfg: ExperimentConfig, model):
+    """The evaluation's image transform: open_clip's; a NaFlex model's at its longest training length."""
+    if cfg.data.naflex is not None:
+        return for_eval(model.module.clip, model.preprocess_cfg, max(cfg.data.naflex.seq_lens))[1]
+    return image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=False)

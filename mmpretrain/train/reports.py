@@ -12,6 +12,7 @@ import torch
 from accelerate.utils import gather_object
 
 from mmpretrain.eval import merge_results
+from mmpretrain.models.naflex import wrapped
 from mmpretrain.train.diagnostics import GEOMETRY_ROWS, geometry, similarity_histogram
 from mmpretrain.train.engine import full_weights
 from mmpretrain.train.nonfinite import loss_terms
@@ -67,7 +68,7 @@ def diagnostics(run: Run, features: tuple[torch.Tensor, torch.Tensor]) -> dict[s
 def evaluate(run: Run) -> dict[str, Any]:
     """The configured evaluations on every rank; results.json gets them under model ``step_N``."""
     with full_weights(run.accelerator, run.model) as module:
-        entries = run.evaluator.run(module.clip, run.preprocess, run.tokenizer, model_name=f"step_{run.state.step}")
+        entries = run.evaluator.run(wrapped(module.clip), run.preprocess, run.tokenizer, model_name=f"step_{run.state.step}")
     # the evaluator restored the open_clip model's train mode, which would put a locked (LiT) tower
     # back into dropout: the DualEncoder's train() puts it back in eval mode
     run.model.train()
@@ -80,7 +81,7 @@ def evaluate(run: Run) -> dict[str, Any]:
             rec[f"eval/{e['dataset']}/{k}"] = v
     if run.ema is not None:  # the averaged weights, scored beside the trained ones
         with run.ema.swapped_in(), full_weights(run.accelerator, run.model) as module:
-            ema_entries = run.evaluator.run(module.clip, run.preprocess, run.tokenizer,
+            ema_entries = run.evaluator.run(wrapped(module.clip), run.preprocess, run.tokenizer,
                                             model_name=f"step_{run.state.step}_ema")
         run.model.train()
         for e in ema_entries:

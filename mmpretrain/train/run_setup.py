@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 from accelerate.utils import set_seed
-from open_clip.transform import PreprocessCfg, image_transform_v2
 
 from mmpretrain.config import ConfigError, ExperimentConfig, flat_config, to_yaml
 from mmpretrain.data.manifest import provenance_record
@@ -42,6 +41,7 @@ from mmpretrain.train.inputs import (
     build_data,
     build_loader,
     check_naflex,
+    eval_preprocess,
     image_input,
     load_sources,
     pins,
@@ -279,7 +279,7 @@ def setup(cfg: ExperimentConfig) -> Run:
         evaluator = Evaluator(eval_jobs, batch_size=cfg.eval.batch_size, device=str(acc.device),
                               num_workers=cfg.eval.num_workers, rank=rank, world_size=world)
     run = Run(cfg, acc, module, objective, optimizer, loader, data.schedule, files, state,
-              preprocess=image_transform_v2(PreprocessCfg(**model.preprocess_cfg), is_train=False),
+              preprocess=eval_preprocess(cfg, model),
               tokenizer=tokenizer, evaluator=evaluator,
               log=JsonlLog(files.log, records) if acc.is_main_process else None, images=images, ema=ema,
               task=TrainingTask(objective, images, target_encoder, trims_text(model.module.clip),
