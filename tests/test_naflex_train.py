@@ -74,7 +74,7 @@ def test_two_ranks_take_the_same_lengths_and_sizes_and_disjoint_samples(openmoji
 
 
 def test_a_naflex_run_resumes_bit_for_bit_mid_epoch(openmoji, tmp_path):
-    args = [NF, "train.steps=7", "train.save_every=2", "train.keep_last=9", "data.num_workers=2",
+    args = [NF, "model.overrides={}", "train.steps=7", "train.save_every=2", "train.keep_last=9", "data.num_workers=2",
             "train.log_every=1", "data.shuffle_buffer=64"]
     run = tmp_path / "run"
     r = train(openmoji / "train", run, *args, config=CONFIG)

@@ -68,6 +68,8 @@ def _launch(recipe) -> tuple[int, bool]:
 def test_every_shipped_recipe_fits_and_says_its_batch(recipe):
     cfg = load_config(recipe)
     (ranks, gpus), batch = _launch(recipe), cfg.data.batch_size
+    if cfg.data.naflex is not None:  # the token budget's largest step (its shortest length)
+        batch = cfg.data.naflex.max_tokens_per_batch // min(cfg.data.naflex.seq_lens)
     objective = build_objective([t.model_dump() for t in cfg.loss], rank=0, world_size=ranks,
                                 dataset_size=3_000_000, index_size=3_000_000)
     fp32 = 4 * objective.largest_matrix(batch)
