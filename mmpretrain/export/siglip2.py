@@ -120,7 +120,8 @@ def to_siglip2(clip, model_cfg: dict, preprocess_cfg: dict, towers: str = "both"
 
     problems = _check(clip, model_cfg, towers)
     if problems:
-        raise Unsupported("--format transformers cannot express this NaFlex model as Siglip2: " + "; ".join(problems))
+        raise Unsupported("--format transformers cannot express this NaFlex model as Siglip2: " + "; ".join(problems)
+                          + ("" if towers == "image" else " (export --towers image for the image tower alone)"))
     trunk = clip.visual.trunk
     e, blocks = trunk.embeds, trunk.blocks
     width, side = e.proj.out_features, e.pos_embed.shape[1]
