@@ -15,11 +15,17 @@ from mmpretrain.data import naflex
 from mmpretrain.data.stream import TrainStream
 from mmpretrain.testing.photos import bad_huffman, make_jpegs, write_shards
 
-from conftest import ROOT, run_main, setup_run, train
+from conftest import ROOT, launch, run_main, setup_run, train
 
 CONFIG = ROOT / "configs/tiny/naflex.yaml"
 LENS, BUDGET = [4, 16, 36], 144  # 36, 9 and 4 samples per rank
 NF = f"data.naflex={{seq_lens: {LENS}, max_tokens_per_batch: {BUDGET}}}"
+
+
+def _epoch_steps(openmoji, ranks: int) -> int:
+    """Steps per epoch of the fixture's training split on ``ranks`` ranks."""
+    n = sum(json.loads((openmoji / "train/sizes.json").read_text()).values())
+    return naflex.steps_per_epoch(LENS, BUDGET, n, ranks)
 
 
 def _jpeg(h: int, w: int, seed: int) -> bytes:
@@ -80,7 +86,7 @@ def test_a_naflex_run_resumes_bit_for_bit_mid_epoch(openmoji, tmp_path):
     r = train(openmoji / "train", run, *args, config=CONFIG)
     assert r.returncode == 0, r.stderr[-3000:]
     records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines() if '"loss"' in line]
-    steps = naflex.step_lengths(LENS, 0, 0, 7)
+    steps = naflex.step_lengths(LENS, 0, 0, _epoch_steps(openmoji, 1))[:7]
     sizes = naflex.batch_sizes(LENS, BUDGET)
     assert [r["samples"] for r in records] == list(np.cumsum([sizes[i] for i in steps]))
     final = load_file(run / "checkpoints/step_00000007/model.safetensors")
@@ -165,3 +171,29 @@ def test_naflex_seq_len_on_a_square_model_is_refused(demo_run, openmoji):
     r = run_main("mmpretrain.eval", "--model", str(demo_run), "--dataset", str(openmoji / "test"), "--task",
                  "zeroshot_classification", "--naflex-seq-len", "16")
     assert r.returncode == 2 and "is not a NaFlex model" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_grad_cache_over_patch_sequences_gives_the_whole_batch_step(openmoji, tmp_path):
+    """train.micro_batch_size splits each step's patches, coordinates and mask (36 -> 8 x 4 + 4, 9 -> 8 + 1)."""
+    args = [NF, "train.steps=3", "data.num_workers=0", "data.shuffle_buffer=0"]
+    for name, extra in (("whole", []), ("cached", ["train.micro_batch_size=8"])):
+        r = train(openmoji / "train", tmp_path / name, *args, *extra, config=CONFIG)
+        assert r.returncode == 0, r.stderr[-3000:]
+    a = load_file(tmp_path / "whole/checkpoints/step_00000003/model.safetensors")
+    b = load_file(tmp_path / "cached/checkpoints/step_00000003/model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=2e-5, rtol=1e-4, msg=k)
+
+
+def test_two_gloo_ranks_train_in_step(openmoji, tmp_path):
+    """2 processes: the sigmoid loss gathers every step's features, which needs the same batch size on both
+    ranks at every step; the log counts both ranks' samples of each step's size."""
+    run = tmp_path / "run"
+    r = launch(run, openmoji / "train", "model.arch=mmpt-tiny-naflex", "model.lock_text=false",
+               "model.text_from_targets=false", NF, "loss=[{name: sigmoid}]", "train.steps=5", "train.epochs=null",
+               "optim.warmup_steps=1", "train.log_every=1", "data.num_workers=1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines() if '"loss"' in line]
+    sizes = naflex.batch_sizes(LENS, BUDGET)
+    assert [x["samples"] for x in records] == list(np.cumsum([2 * sizes[i] for i in naflex.step_lengths(LENS, 0, 0, _epoch_steps(openmoji, 2))[:5]]))
