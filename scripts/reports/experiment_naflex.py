@@ -128,7 +128,7 @@ def main() -> None:
              "|---|" + "---|" * len(L)]
     for name in models:
         lines.append(f"| {name} | " + " | ".join(cell(res[name][n]) for n in L) + " |")
-    lines.append(f"| Δ mixed − fixed at that length | " + " | ".join(delta(res[mixed][n], res[f'fixed {n}'][n])
+    lines.append("| Δ mixed − fixed at that length | " + " | ".join(delta(res[mixed][n], res[f'fixed {n}'][n])
                                                                        for n in L) + " |")
     a = res["aspect"]
     lines += ["", f"The mixed model at {max(L)} patches on stretched emoji: native aspect against square centre crops",
