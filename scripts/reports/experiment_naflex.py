@@ -2,8 +2,11 @@
 against fixed-length models trained at each, every model evaluated at every length; and the mixed model on
 the held-out emoji stretched to 2:1 and 1:2, at native aspect ratio against their square centre crops.
 
-    python scripts/reports/experiment_naflex.py [--seeds 0 1 2] [--lengths 4 16 36] [--epochs 10]
+    python scripts/reports/experiment_naflex.py [--seeds 0 1 2] [--lengths 4 16 36] [--epochs 10 | --steps 90]
                                                 [--data data/openmoji] [--work runs/experiments/naflex]
+
+``--epochs``: every model sees the same samples (a fixed-36 model then takes 9x the steps of a fixed-4 one);
+``--steps``: the same steps, so the same patches at 1,024 a step (about the same compute).
 
 Every model is configs/tiny/naflex.yaml (the tiny NaFlexVit, sigmoid, 1,024 patches per step) with only
 data.naflex.seq_lens changed and the seed; zero-shot top-1 on the held-out split through
@@ -79,13 +82,14 @@ def acc1(model: Path, dataset: Path, lengths: list[int]) -> dict[int, float]:
     return {int(e["model"].rsplit("@", 1)[1]): e["metrics"]["acc1"] for e in entries}
 
 
-def train(work: Path, lens: list[int], seed: int, epochs: int, data: Path) -> Path:
-    run = work / f"{'-'.join(map(str, lens))}_s{seed}" / "run"
+def train(work: Path, lens: list[int], seed: int, epochs: int | None, data: Path, steps: int | None = None) -> Path:
+    run = work / (f"{'-'.join(map(str, lens))}_s{seed}" + (f"_steps{steps}" if steps else "")) / "run"
     if not (run / "done").is_file():
         shutil.rmtree(run, ignore_errors=True)
         sh("-m", "mmpretrain.train", "--config", "configs/tiny/naflex.yaml", f"run_dir={run}", f"seed={seed}",
            f"data.train={data / 'train'}", f"data.naflex={{seq_lens: {lens}, max_tokens_per_batch: 1024}}",
-           f"train.epochs={epochs}", "train.progress=false", "train.plots=false", "train.log_with=[]")
+           *([f"train.steps={steps}", "train.epochs=null"] if steps else [f"train.epochs={epochs}"]),
+           "train.progress=false", "train.plots=false", "train.log_with=[]")
         (run / "done").write_text("")
     return run
 
@@ -105,6 +109,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--lengths", type=int, nargs="+", default=[4, 16, 36])
     p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--steps", type=int, default=None, help="the same steps for every model (instead of --epochs)")
     p.add_argument("--data", default=str(ROOT / "data/openmoji"))
     p.add_argument("--work", default=str(ROOT / "runs/experiments/naflex"))
     args = p.parse_args()
@@ -118,12 +123,13 @@ def main() -> None:
     models = {"mixed " + "/".join(map(str, L)): L, **{f"fixed {n}": [n] for n in L}}
     res: dict[str, dict] = {}
     for name, lens in models.items():
-        runs = [train(work, lens, s, args.epochs, data) for s in args.seeds]
+        runs = [train(work, lens, s, args.epochs, data, args.steps) for s in args.seeds]
         res[name] = {n: [acc1(r, test, L)[n] for r in runs] for n in L}
         if name.startswith("mixed"):
             res["aspect"] = {k: [acc1(r, ds, [max(L)])[max(L)] for r in runs] for k, ds in shapes.items()}
     mixed = next(k for k in models if k.startswith("mixed"))
-    lines = [f"Zero-shot top-1 on the held-out emoji ({len(args.seeds)} seeds, {args.epochs} epochs; * : |Δ| > "
+    budget = f"{args.steps} steps of 1,024 patches" if args.steps else f"{args.epochs} epochs"
+    lines = [f"Zero-shot top-1 on the held-out emoji ({len(args.seeds)} seeds, {budget}; * : |Δ| > "
              "2·sqrt(sd_a²/n + sd_b²/n))", "", "| model | " + " | ".join(f"eval at {n}" for n in L) + " |",
              "|---|" + "---|" * len(L)]
     for name in models:
@@ -138,9 +144,10 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     out = ROOT / "bench_results/experiments"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "naflex.json").write_text(json.dumps({"seeds": args.seeds, "epochs": args.epochs, "results": res},
-                                                indent=2) + "\n")
-    (out / "naflex.md").write_text(text)
+    name = f"naflex_steps{args.steps}" if args.steps else "naflex"
+    (out / f"{name}.json").write_text(json.dumps({"seeds": args.seeds, "epochs": args.epochs, "steps": args.steps,
+                                                  "results": res}, indent=2) + "\n")
+    (out / f"{name}.md").write_text(text)
     print(text)
 
 
