@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import torch
+from torch import nn
 
 
 class Unsupported(ValueError):
@@ -58,21 +59,30 @@ def _check(clip, model_cfg: dict, towers: str) -> list[str]:
     return problems
 
 
+def encoder_layer(p: str, qkv: nn.Linear | tuple, out: nn.Linear, ln1: nn.LayerNorm, ln2: nn.LayerNorm,
+                  fc1: nn.Linear, fc2: nn.Linear) -> dict[str, torch.Tensor]:
+    """One transformer block's weights under transformers' ``{p}.self_attn / layer_norm1 / layer_norm2 / mlp``
+    names (CLIP's and Siglip's encoder layers); ``qkv``: the fused projection's ``(weight, bias)``."""
+    weight, bias = qkv
+    q, k, v = weight.detach().chunk(3)
+    qb, kb, vb = bias.detach().chunk(3)
+    return {
+        f"{p}.self_attn.q_proj.weight": q, f"{p}.self_attn.q_proj.bias": qb,
+        f"{p}.self_attn.k_proj.weight": k, f"{p}.self_attn.k_proj.bias": kb,
+        f"{p}.self_attn.v_proj.weight": v, f"{p}.self_attn.v_proj.bias": vb,
+        f"{p}.self_attn.out_proj.weight": out.weight, f"{p}.self_attn.out_proj.bias": out.bias,
+        f"{p}.layer_norm1.weight": ln1.weight, f"{p}.layer_norm1.bias": ln1.bias,
+        f"{p}.layer_norm2.weight": ln2.weight, f"{p}.layer_norm2.bias": ln2.bias,
+        f"{p}.mlp.fc1.weight": fc1.weight, f"{p}.mlp.fc1.bias": fc1.bias,
+        f"{p}.mlp.fc2.weight": fc2.weight, f"{p}.mlp.fc2.bias": fc2.bias,
+    }
+
+
 def _layers(prefix_out: str, blocks, sd: dict) -> None:
+    """open_clip's residual blocks (fused ``in_proj``) as transformers' encoder layers."""
     for i, b in enumerate(blocks):
-        p = f"{prefix_out}.encoder.layers.{i}"
-        q, k, v = b.attn.in_proj_weight.detach().chunk(3)
-        qb, kb, vb = b.attn.in_proj_bias.detach().chunk(3)
-        sd.update({
-            f"{p}.self_attn.q_proj.weight": q, f"{p}.self_attn.q_proj.bias": qb,
-            f"{p}.self_attn.k_proj.weight": k, f"{p}.self_attn.k_proj.bias": kb,
-            f"{p}.self_attn.v_proj.weight": v, f"{p}.self_attn.v_proj.bias": vb,
-            f"{p}.self_attn.out_proj.weight": b.attn.out_proj.weight, f"{p}.self_attn.out_proj.bias": b.attn.out_proj.bias,
-            f"{p}.layer_norm1.weight": b.ln_1.weight, f"{p}.layer_norm1.bias": b.ln_1.bias,
-            f"{p}.layer_norm2.weight": b.ln_2.weight, f"{p}.layer_norm2.bias": b.ln_2.bias,
-            f"{p}.mlp.fc1.weight": b.mlp.c_fc.weight, f"{p}.mlp.fc1.bias": b.mlp.c_fc.bias,
-            f"{p}.mlp.fc2.weight": b.mlp.c_proj.weight, f"{p}.mlp.fc2.bias": b.mlp.c_proj.bias,
-        })
+        sd.update(encoder_layer(f"{prefix_out}.encoder.layers.{i}", (b.attn.in_proj_weight, b.attn.in_proj_bias),
+                                b.attn.out_proj, b.ln_1, b.ln_2, b.mlp.c_fc, b.mlp.c_proj))
 
 
 def _text_parts(clip):

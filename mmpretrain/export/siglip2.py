@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
-from mmpretrain.export.hf import Unsupported, _layers, _load, _text_parts, write_clip_tokenizer
+from mmpretrain.export.hf import Unsupported, _layers, _load, _text_parts, encoder_layer, write_clip_tokenizer
 
 
 class _DefaultVocabCheck(logging.Filter):
@@ -90,20 +90,9 @@ def _vision_state(trunk) -> dict[str, torch.Tensor]:
         "vision_model.head.mlp.fc1.weight": pool.mlp.fc1.weight, "vision_model.head.mlp.fc1.bias": pool.mlp.fc1.bias,
         "vision_model.head.mlp.fc2.weight": pool.mlp.fc2.weight, "vision_model.head.mlp.fc2.bias": pool.mlp.fc2.bias,
     }
-    for i, b in enumerate(trunk.blocks):
-        p = f"vision_model.encoder.layers.{i}"
-        q, k, v = b.attn.qkv.weight.detach().chunk(3)
-        qb, kb, vb = b.attn.qkv.bias.detach().chunk(3)
-        sd.update({
-            f"{p}.self_attn.q_proj.weight": q, f"{p}.self_attn.q_proj.bias": qb,
-            f"{p}.self_attn.k_proj.weight": k, f"{p}.self_attn.k_proj.bias": kb,
-            f"{p}.self_attn.v_proj.weight": v, f"{p}.self_attn.v_proj.bias": vb,
-            f"{p}.self_attn.out_proj.weight": b.attn.proj.weight, f"{p}.self_attn.out_proj.bias": b.attn.proj.bias,
-            f"{p}.layer_norm1.weight": b.norm1.weight, f"{p}.layer_norm1.bias": b.norm1.bias,
-            f"{p}.layer_norm2.weight": b.norm2.weight, f"{p}.layer_norm2.bias": b.norm2.bias,
-            f"{p}.mlp.fc1.weight": b.mlp.fc1.weight, f"{p}.mlp.fc1.bias": b.mlp.fc1.bias,
-            f"{p}.mlp.fc2.weight": b.mlp.fc2.weight, f"{p}.mlp.fc2.bias": b.mlp.fc2.bias,
-        })
+    for i, b in enumerate(trunk.blocks):  # timm's blocks: fused qkv, attn.proj, norm1/norm2, mlp.fc1/fc2
+        sd.update(encoder_layer(f"vision_model.encoder.layers.{i}", (b.attn.qkv.weight, b.attn.qkv.bias),
+                                b.attn.proj, b.norm1, b.norm2, b.mlp.fc1, b.mlp.fc2))
     return sd
 
 

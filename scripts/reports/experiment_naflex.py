@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 from PIL import Image
@@ -48,8 +49,8 @@ def reshaped(src: Path, dst: Path, size: tuple[int, int], crop: bool) -> Path:
     centre-cropped to a square of its short side."""
     if dst.is_dir():
         return dst
-    tmp = dst.with_name(dst.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    # a fresh folder of ours beside dst (deleting nothing: an interrupted copy leaves only its own .tmp folder)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)) / "copy"
     shutil.copytree(src, tmp)
     for tar in tmp.glob("*.tar"):
         out = tar.with_suffix(".new")
@@ -69,6 +70,7 @@ def reshaped(src: Path, dst: Path, size: tuple[int, int], crop: bool) -> Path:
                 w.addfile(m, io.BytesIO(data))
         out.replace(tar)
     tmp.rename(dst)
+    tmp.parent.rmdir()  # the now empty folder mkdtemp made
     return dst
 
 
@@ -84,8 +86,7 @@ def acc1(model: Path, dataset: Path, lengths: list[int]) -> dict[int, float]:
 
 def train(work: Path, lens: list[int], seed: int, epochs: int | None, data: Path, steps: int | None = None) -> Path:
     run = work / (f"{'-'.join(map(str, lens))}_s{seed}" + (f"_steps{steps}" if steps else "")) / "run"
-    if not (run / "done").is_file():
-        shutil.rmtree(run, ignore_errors=True)
+    if not (run / "done").is_file():  # an interrupted run resumes from its own latest checkpoint
         sh("-m", "mmpretrain.train", "--config", "configs/tiny/naflex.yaml", f"run_dir={run}", f"seed={seed}",
            f"data.train={data / 'train'}", f"data.naflex={{seq_lens: {lens}, max_tokens_per_batch: 1024}}",
            *([f"train.steps={steps}", "train.epochs=null"] if steps else [f"train.epochs={epochs}"]),
