@@ -14,7 +14,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import setup_run
+from conftest import ROOT, setup_run
 
 # a scalar read (item(), float(), int(), bool() of a tensor) and data-dependent shapes wait for the
 # device; host copies (cpu(), tolist(), numpy()) too
@@ -102,10 +102,31 @@ def test_no_host_sync_in_a_distill_step(teacher_data, tmp_path, monkeypatch):
              monkeypatch)
 
 
-def _no_sync(data, tmp_path, name, overrides, monkeypatch):
+def test_no_host_sync_in_a_naflex_step(openmoji, tmp_path, monkeypatch):
+    """configs/tiny/naflex.yaml: timm's NaFlexVit reads each sample's grid back from the device (2 .item()
+    per sample, 56 at 28 samples) unless the patch coordinates carry the grids the loader read on the host
+    (mmpretrain.models.naflex.grid_sizes)."""
+    from mmpretrain.data.naflex import GRIDS
+
+    run = _no_sync(openmoji / "train", tmp_path, "naflex", [], monkeypatch, config=ROOT / "configs/tiny/naflex.yaml",
+                   keep=True)
+    from mmpretrain.data.naflex import patch_rows
+
+    monkeypatch.undo()  # the counters off
+    batch = next(iter(run.loader))
+    coord = run.images(batch, run.accelerator.device)["patch_coord"]
+    ys, xs = coord[..., 0].amax(1) + 1, coord[..., 1].amax(1) + 1  # timm's own computation
+    assert getattr(coord, GRIDS) == [(int(h.item()), int(w.item())) for h, w in zip(ys, xs)]
+    part = patch_rows({"patches": coord, "patch_coord": coord, "patch_valid": coord}, slice(2, 5))
+    assert getattr(part["patch_coord"], GRIDS) == getattr(coord, GRIDS)[2:5]
+
+
+def _no_sync(data, tmp_path, name, overrides, monkeypatch, config=None, keep=False):
+    from mmpretrain.data import image_input
     from mmpretrain.train import task, train_step
 
-    run = setup_run(data, tmp_path / name, "train.steps=10", "data.batch_size=16", "data.num_workers=0", *overrides)
+    run = setup_run(data, tmp_path / name, "train.steps=10", "data.batch_size=16", "data.num_workers=0", *overrides,
+                    **({"config": config} if config else {}))
     batches = iter(run.loader)
     train_step(run, next(batches))  # the first step may set things up
     run.state.step += 1
@@ -127,6 +148,19 @@ def _no_sync(data, tmp_path, name, overrides, monkeypatch):
             reads.on = True
 
     monkeypatch.setattr(task, "padded_length", on_the_host)
+    grids = image_input.host_grids
+
+    def grids_on_the_host(coord):  # data.naflex: the loader's coordinates, read before their copy
+        assert coord is batch.patch_coord
+        syncs.paused = copies.paused = True
+        reads.on = False
+        try:
+            return grids(coord)
+        finally:
+            syncs.paused = copies.paused = False
+            reads.on = True
+
+    monkeypatch.setattr(image_input, "host_grids", grids_on_the_host)
     if run.images.decoder is not None:  # decoded ahead on fit's background thread, not in the step
         run.images.decoder(batch)
         assert batch.images.dtype == torch.float32
@@ -139,6 +173,8 @@ def _no_sync(data, tmp_path, name, overrides, monkeypatch):
         assert not run.nonfinite.on_device and syncs.counts["aten._local_scalar_dense.default"] >= 1
     else:
         assert run.nonfinite.on_device and not sum(syncs.counts.values()) and not sum(reads.counts.values()), found
+    if keep:
+        return run
     shutil.rmtree(tmp_path / name, ignore_errors=True)
 
 

@@ -16,6 +16,7 @@ import torch
 
 from mmpretrain.data.batch import Batch
 from mmpretrain.data.device_decode import DeviceDecoder, Prefetcher
+from mmpretrain.data.naflex import host_grids, with_grids
 from mmpretrain.data.transfer import to_device
 
 
@@ -51,8 +52,8 @@ class ImageInput:
         if self.dtype is not None:  # DeepSpeed's bf16/fp16 weights; accelerate's autocast is off there
             images = images.to(self.dtype)
         if batch.patch_coord is not None:  # data.naflex: the NaFlexVit tower's input (mmpretrain.data.naflex)
-            return {"patches": images, "patch_coord": to_device(batch.patch_coord, device),
-                    "patch_valid": to_device(batch.patch_valid, device)}
+            coord = with_grids(to_device(batch.patch_coord, device), host_grids(batch.patch_coord))
+            return {"patches": images, "patch_coord": coord, "patch_valid": to_device(batch.patch_valid, device)}
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         return images

@@ -89,6 +89,39 @@ def pack(patches: Sequence[torch.Tensor], grids: Sequence[tuple[int, int]], seq_
     return out, coord, valid
 
 
+# The attribute a device ``patch_coord`` carries: its samples' grids, read on the host before the copy, so
+# that the tower's per-grid position tables need no read back from the device (models/naflex.py)
+GRIDS = "_mmpt_naflex_grids"
+
+
+def grids_of(patch_coord: torch.Tensor) -> list[tuple[int, int]]:
+    """Each sample's patch grid ``(rows, cols)`` from its ``(B, L, 2)`` coordinates: the largest row and
+    column + 1 (padding sits at (0, 0)), as timm's ``calculate_naflex_grid_sizes`` computes it. One read of a
+    ``(B, 2)`` tensor: free on the host, one copy from a device."""
+    return [(int(h), int(w)) for h, w in (patch_coord.amax(dim=1) + 1).tolist()]
+
+
+def host_grids(patch_coord: torch.Tensor) -> list[tuple[int, int]] | None:
+    """:func:`grids_of` the loader's coordinates while they are on the host; None on a device (reading
+    them there would wait for it: the tower then reads them once itself)."""
+    return grids_of(patch_coord) if patch_coord.device.type == "cpu" else None
+
+
+def with_grids(patch_coord: torch.Tensor, grids: list[tuple[int, int]] | None) -> torch.Tensor:
+    """``patch_coord`` carrying ``grids`` (:data:`GRIDS`; None: as it is)."""
+    if grids is not None:
+        setattr(patch_coord, GRIDS, grids)
+    return patch_coord
+
+
+def patch_rows(inputs: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
+    """Rows ``rows`` of a NaFlex image dict (patches, coordinates, mask), the grids they carry kept."""
+    out = {k: v[rows] for k, v in inputs.items()}
+    grids = getattr(inputs["patch_coord"], GRIDS, None)
+    with_grids(out["patch_coord"], None if grids is None else grids[rows])
+    return out
+
+
 def normalize_patches(patches: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """uint8 ``(B, L, P*P*C)`` patches (channel fastest) -> float32 ``(x / 255 - mean) / std`` per channel,
     the same operations in the same order as the square path's normalisation."""

@@ -5,13 +5,21 @@ layout). It takes a dict ``{"patches": (B, L, P*P*3), "patch_coord": (B, L, 2), 
 
 ``mmpt_naflexvit_tiny`` is the packaged CPU size (patch 8, width 64, 2 blocks, a 4x4 learned position
 table resized to each image's grid): timm's ``naflexvit_base_patch16_siglip`` recipe, shrunk.
+
+timm 1.0.31 finds each sample's grid for its position table with 2 ``.item()`` calls per sample
+(``calculate_naflex_grid_sizes``): 2B host waits per forward on a GPU. :func:`grid_sizes` replaces it, with
+the same result: the grids the loader read on the host (:data:`mmpretrain.data.naflex.GRIDS`), else one copy
+of the ``(B, 2)`` maxima.
 """
 
 from __future__ import annotations
 
 import timm
-from timm.models import register_model
+import torch
+from timm.models import naflexvit, register_model
 from torch import nn
+
+from mmpretrain.data.naflex import GRIDS, NaFlexPreprocess, grids_of, unpack_patches
 
 TINY = {"patch_size": 8, "embed_dim": 64, "depth": 2, "num_heads": 2, "pos_embed_grid_size": (4, 4)}
 
@@ -21,6 +29,18 @@ def _tiny(pretrained: bool = False, **kwargs) -> nn.Module:
         raise ValueError("mmpt_naflexvit_tiny has no pretrained weights")
     return timm.create_model("naflexvit_base_patch16_siglip", pretrained=False, **{**TINY, **kwargs})
 
+
+def grid_sizes(patch_coord: torch.Tensor) -> list[tuple[int, int]]:
+    """timm's ``calculate_naflex_grid_sizes`` without a host wait per sample: the grids ``patch_coord``
+    carries when they match its rows, else :func:`~mmpretrain.data.naflex.grids_of` (one read)."""
+    grids = getattr(patch_coord, GRIDS, None)
+    return grids if grids is not None and len(grids) == patch_coord.shape[0] else grids_of(patch_coord)
+
+
+# timm's own (the benchmark's reference); replaced, as it is looked up by name at each call in every NaFlexVit
+timm_grid_sizes = getattr(naflexvit, "calculate_naflex_grid_sizes", None)
+if timm_grid_sizes is not None and timm_grid_sizes is not grid_sizes:
+    naflexvit.calculate_naflex_grid_sizes = grid_sizes
 
 _tiny.__name__ = "mmpt_naflexvit_tiny"
 if "mmpt_naflexvit_tiny" not in timm.list_models("mmpt_*"):
@@ -56,10 +76,6 @@ class NaFlexInputs:
         return getattr(self.clip, name)
 
     def encode_image(self, images, normalize: bool = False):
-        from mmpretrain.data.naflex import (
-            unpack_patches,  # the model layer reads the data layer's format here
-        )
-
         x = images if isinstance(images, dict) else unpack_patches(images)
         return self.clip.encode_image(x, normalize=normalize)
 
@@ -86,8 +102,6 @@ def for_eval(clip: nn.Module, preprocess_cfg: dict, seq_len: int | None = None):
     patches (default: its position table's, the length it is sized for); any other model as it is (None)."""
     if not is_naflex_tower(clip.visual):
         return clip, None
-    from mmpretrain.data.naflex import NaFlexPreprocess
-
     patch, side = naflex_geometry(clip.visual)
     return NaFlexInputs(clip), NaFlexPreprocess(seq_len or side * side, patch, preprocess_cfg["mean"],
                                                 preprocess_cfg["std"])

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from mmpretrain.data.naflex import patch_rows
 from mmpretrain.losses.base import total_of
 
 
@@ -64,7 +65,7 @@ def _full(x: torch.Tensor) -> torch.Tensor:
 def _sub(x, s):
     """Rows ``s`` of a batch tensor, or of each tensor of a NaFlex image dict (patches, coordinates, mask)."""
     if isinstance(x, dict):
-        return {k: v[s] for k, v in x.items()}
+        return patch_rows(x, s)
     return None if x is None else x[s]
 
 

@@ -8,6 +8,10 @@ patchify in the workers, the NaFlexVit tower, sigmoid loss), samples/s and patch
 No anchor runs beside it: open_clip's NaFlex trainer is in its unreleased main branch, not installable here.
 Writes bench_results/naflex.json: headline ``ratio`` = patches/s at the longest length / at the shortest
 (higher is better: 1 would mean a step costs the same per patch whatever the length).
+
+Beside it, what a GPU would wait for: host reads of device values (``aten._local_scalar_dense``, each a
+device-to-host wait on a GPU) in one forward of the tiny tower at each length's batch, with timm 1.0.31's
+grid lookup (2 per sample) and with ours (mmpretrain.models.naflex.grid_sizes: the loader's host grids).
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchlib import median, table, write_result
 
@@ -42,6 +49,40 @@ def run(length: int, budget: int, steps: int, data: str, workers: int) -> float:
         return median(rates)
 
 
+class ScalarReads(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def host_reads(length: int, budget: int) -> dict[str, int]:
+    """Scalar reads in one forward of ``mmpt_naflexvit_tiny`` over ``budget // length`` square images at
+    ``length`` patches, timm's grid lookup against ours (the grids read from the loader's host tensor)."""
+    import timm
+    from timm.models import naflexvit
+
+    from mmpretrain.data.naflex import grid_for, host_grids, pack, with_grids
+    from mmpretrain.models import naflex
+
+    tower = timm.create_model("mmpt_naflexvit_tiny", num_classes=0).eval()
+    gh, gw = grid_for(64, 64, 8, length)
+    n = budget // length
+    patches, coord, valid = pack([torch.rand(gh * gw, 192)] * n, [(gh, gw)] * n, length)
+    out = {}
+    for name, lookup, grids in (("timm", naflex.timm_grid_sizes, None), ("ours", naflex.grid_sizes, host_grids(coord))):
+        naflexvit.calculate_naflex_grid_sizes = lookup
+        x = {"patches": patches, "patch_coord": with_grids(coord.clone(), grids), "patch_valid": valid}
+        with torch.no_grad(), ScalarReads() as reads:
+            tower(x)
+        out[name] = reads.n
+    naflexvit.calculate_naflex_grid_sizes = naflex.grid_sizes
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--lengths", type=int, nargs="+", default=[4, 16, 36, 64])
@@ -58,10 +99,14 @@ def main() -> None:
         out[n] = {"batch": batch, "samples_per_s": runs, "patches_per_s": [r * n for r in runs]}
         rows.append((n, batch, f"{median(runs):.0f}", f"{min(runs):.0f}-{max(runs):.0f}", f"{median(runs) * n:,.0f}"))
     print(table(rows, ("patches", "batch", "samples/s", "spread", "patches/s")))
+    reads = {n: host_reads(n, args.budget) for n in args.lengths}
+    print(table([(n, args.budget // n, r["timm"], r["ours"]) for n, r in reads.items()],
+                ("patches", "batch", "host reads/forward, timm's grids", "ours")))
     lo, hi = min(args.lengths), max(args.lengths)
     ratios = [a / b for a, b in zip(out[hi]["patches_per_s"], out[lo]["patches_per_s"])]
     path = write_result("naflex", median(ratios), True, 1.0, ratios,
-                        {"lengths": {str(k): v for k, v in out.items()}, "budget": args.budget, "steps": args.steps,
+                        {"lengths": {str(k): {**v, "host_reads_per_forward": reads[k]} for k, v in out.items()},
+                         "budget": args.budget, "steps": args.steps,
                          "workers": args.workers, "cpu": os.cpu_count()})
     print(f"patches/s at {hi} / at {lo}: {median(ratios):.2f} -> {path}")
 
