@@ -1,19 +1,22 @@
-"""What NaFlex buys on the packaged emoji, with seeds: one model trained over several sequence lengths
-against fixed-length models trained at each, every model evaluated at every length; and the mixed model on
-the held-out emoji stretched to 2:1 and 1:2, at native aspect ratio against their square centre crops.
+"""What NaFlex buys on an emoji bed, with seeds: one model trained over several sequence lengths against
+fixed-length models trained at each, every model evaluated at every length; and the mixed model on the bed
+stretched to 2:1 and 1:2, at native aspect ratio against their square centre crops.
 
     python scripts/reports/experiment_naflex.py [--seeds 0 1 2] [--lengths 4 16 36] [--epochs 10 | --steps 90]
-                                                [--data data/openmoji] [--work runs/experiments/naflex]
+                                                [--data data/openmoji] [--knn] [--work DIR]
+    python scripts/reports/experiment_naflex.py --data data/openmoji-all --knn --steps 600   # make openmoji-all
 
 ``--epochs``: every model sees the same samples (a fixed-36 model then takes 9x the steps of a fixed-4 one);
-``--steps``: the same steps, so the same patches at 1,024 a step (about the same compute).
+``--steps``: the same steps, so the same patches at 1,024 a step (about the same compute). ``--knn``: also
+k-NN top-1 (k = 20) with the bed's training split as the bank, for a bed whose zero-shot stays near chance;
+a bed with a ``noto/`` folder (demo:openmoji-all's second style) is also evaluated zero-shot there.
 
 Every model is configs/tiny/naflex.yaml (the tiny NaFlexVit, sigmoid, 1,024 patches per step) with only
-data.naflex.seq_lens changed and the seed; zero-shot top-1 on the held-out split through
-``python -m mmpretrain.eval --naflex-seq-len``. The square emoji keep their 32 px square shape at every
-length, so a fixed-length model here is the fixed-resolution model at that length's grid. Writes
-bench_results/experiments/naflex.json and .md: mean ± sd over seeds, a difference marked * when
-|Δ| > 2·sqrt(sd_a²/n + sd_b²/n).
+data.naflex.seq_lens changed and the seed, evaluated through ``python -m mmpretrain.eval --naflex-seq-len``.
+Square emoji keep their square shape at every length, so a fixed-length model is the fixed-resolution model
+at that length's grid. Runs and the stretched copies of the bed go to runs/experiments/naflex (data/openmoji)
+or naflex-NAME; writes bench_results/experiments/naflex[_NAME][_stepsN].json and .md: mean ± sd over seeds,
+a difference marked * when |Δ| > 2·sqrt(sd_a²/n + sd_b²/n).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def reshaped(src: Path, dst: Path, size: tuple[int, int], crop: bool) -> Path:
     # a fresh folder of ours beside dst (deleting nothing: an interrupted copy leaves only its own .tmp folder)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)) / "copy"
     shutil.copytree(src, tmp)
-    for tar in tmp.glob("*.tar"):
+    for tar in tmp.rglob("*.tar"):
         out = tar.with_suffix(".new")
         with tarfile.open(tar) as t, tarfile.open(out, "w") as w:
             for m in t.getmembers():
@@ -74,14 +77,18 @@ def reshaped(src: Path, dst: Path, size: tuple[int, int], crop: bool) -> Path:
     return dst
 
 
-def acc1(model: Path, dataset: Path, lengths: list[int]) -> dict[int, float]:
-    out = model.parent / f"eval_{dataset.name}.json"
+TASKS = {"zeroshot": ("zeroshot_classification", "acc1"), "knn": ("knn", "knn_acc1")}
+
+
+def score(model: Path, key: str, dataset: Path, task: str, lengths: list[int]) -> dict[int, float]:
+    """``task`` (a TASKS key) of run ``model`` on ``dataset`` at each length; cached in eval_KEY.json."""
+    name, metric = TASKS[task]
+    out = model.parent / f"eval_{key}.json"
     if not out.is_file():
-        sh("-m", "mmpretrain.eval", "--model", str(model), "--dataset", str(dataset), "--task",
-           "zeroshot_classification", "--naflex-seq-len", *map(str, lengths), "--num_workers", "0",
-           "--output", str(out))
+        sh("-m", "mmpretrain.eval", "--model", str(model), "--dataset", str(dataset), "--task", name,
+           "--naflex-seq-len", *map(str, lengths), "--num_workers", "0", "--output", str(out))
     entries = json.loads(out.read_text())["results"]
-    return {int(e["model"].rsplit("@", 1)[1]): e["metrics"]["acc1"] for e in entries}
+    return {int(e["model"].rsplit("@", 1)[1]): e["metrics"][metric] for e in entries}
 
 
 def train(work: Path, lens: list[int], seed: int, epochs: int | None, data: Path, steps: int | None = None) -> Path:
@@ -112,41 +119,56 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--steps", type=int, default=None, help="the same steps for every model (instead of --epochs)")
     p.add_argument("--data", default=str(ROOT / "data/openmoji"))
-    p.add_argument("--work", default=str(ROOT / "runs/experiments/naflex"))
+    p.add_argument("--knn", action="store_true", help="also k-NN top-1 (for a bed whose zero-shot is near chance)")
+    p.add_argument("--work", default=None, help="default runs/experiments/naflex (data/openmoji), else naflex-NAME")
     args = p.parse_args()
-    data, work, L = Path(args.data), Path(args.work), args.lengths
+    data, L = Path(args.data), args.lengths
+    tag = "" if data.resolve() == (ROOT / "data/openmoji").resolve() else f"_{data.name}"
+    work = Path(args.work or ROOT / f"runs/experiments/naflex{tag.replace('_', '-')}")
     work.mkdir(parents=True, exist_ok=True)
-    test = data / "test"
-    shapes = {"wide 2:1": reshaped(test, work / "test_wide", (64, 32), False),
-              "wide 2:1, square crop": reshaped(test, work / "test_wide_crop", (64, 32), True),
-              "tall 1:2": reshaped(test, work / "test_tall", (32, 64), False),
-              "tall 1:2, square crop": reshaped(test, work / "test_tall_crop", (32, 64), True)}
+    # every evaluation: (title, task, cache key, dataset); kNN uses the bed's train split as its bank
+    evals = [("zero-shot top-1, held-out emoji", "zeroshot", "test", data / "test")]
+    if args.knn:
+        evals.append(("k-NN top-1 (k = 20, the train split as the bank), held-out emoji", "knn", "knn", data))
+    if (data / "noto").is_dir():  # demo:openmoji-all's second drawing style: the held-out emoji drawn by Noto
+        evals.append(("zero-shot top-1, the held-out emoji in the Noto style", "zeroshot", "noto", data / "noto"))
+    # the bed stretched to 2:1 and 1:2 (train split too, for kNN's bank), native against square centre crops
+    shapes = {f"{k}{c}": reshaped(data, work / f"{k.split()[0]}{c and '_crop'}", size, bool(c))
+              for k, size in (("wide 2:1", (64, 32)), ("tall 1:2", (32, 64))) for c in ("", ", square crop")}
+    aspect_evals = [("zeroshot", lambda d: d / "test")] + ([("knn", lambda d: d)] if args.knn else [])
     models = {"mixed " + "/".join(map(str, L)): L, **{f"fixed {n}": [n] for n in L}}
     res: dict[str, dict] = {}
     for name, lens in models.items():
         runs = [train(work, lens, s, args.epochs, data, args.steps) for s in args.seeds]
-        res[name] = {n: [acc1(r, test, L)[n] for r in runs] for n in L}
+        for title, task, key, ds in evals:
+            res.setdefault(title, {})[name] = {n: [score(r, key, ds, task, L)[n] for r in runs] for n in L}
         if name.startswith("mixed"):
-            res["aspect"] = {k: [acc1(r, ds, [max(L)])[max(L)] for r in runs] for k, ds in shapes.items()}
+            res["aspect"] = {task: {k: [score(r, f"{ds.name}_{task}", where(ds), task, [max(L)])[max(L)]
+                                        for r in runs] for k, ds in shapes.items()} for task, where in aspect_evals}
     mixed = next(k for k in models if k.startswith("mixed"))
     budget = f"{args.steps} steps of 1,024 patches" if args.steps else f"{args.epochs} epochs"
-    lines = [f"Zero-shot top-1 on the held-out emoji ({len(args.seeds)} seeds, {budget}; * : |Δ| > "
-             "2·sqrt(sd_a²/n + sd_b²/n))", "", "| model | " + " | ".join(f"eval at {n}" for n in L) + " |",
-             "|---|" + "---|" * len(L)]
-    for name in models:
-        lines.append(f"| {name} | " + " | ".join(cell(res[name][n]) for n in L) + " |")
-    lines.append("| Δ mixed − fixed at that length | " + " | ".join(delta(res[mixed][n], res[f'fixed {n}'][n])
-                                                                       for n in L) + " |")
-    a = res["aspect"]
-    lines += ["", f"The mixed model at {max(L)} patches on stretched emoji: native aspect against square centre crops",
-              "", "| images | native | square crop | Δ |", "|---|---|---|---|"]
-    for k in ("wide 2:1", "tall 1:2"):
-        lines.append(f"| {k} | {cell(a[k])} | {cell(a[k + ', square crop'])} | {delta(a[k], a[k + ', square crop'])} |")
+    shown = data.relative_to(ROOT) if data.is_relative_to(ROOT) else data
+    lines = [f"Data: {shown}; {len(args.seeds)} seeds, {budget}; * : |Δ| > 2·sqrt(sd_a²/n + sd_b²/n)"]
+    for title, *_ in evals:
+        r = res[title]
+        lines += ["", title[0].upper() + title[1:], "", "| model | " + " | ".join(f"eval at {n}" for n in L) + " |",
+                  "|---|" + "---|" * len(L)]
+        lines += [f"| {name} | " + " | ".join(cell(r[name][n]) for n in L) + " |" for name in models]
+        lines.append("| Δ mixed − fixed at that length | " + " | ".join(delta(r[mixed][n], r[f'fixed {n}'][n])
+                                                                           for n in L) + " |")
+    lines += ["", f"The mixed model at {max(L)} patches on the stretched bed: native aspect against square centre "
+              "crops", "", "| images | metric | native | square crop | Δ |", "|---|---|---|---|---|"]
+    for task, _ in aspect_evals:
+        a = res["aspect"][task]
+        for k in ("wide 2:1", "tall 1:2"):
+            lines.append(f"| {k} | {TASKS[task][1]} | {cell(a[k])} | {cell(a[k + ', square crop'])} | "
+                         f"{delta(a[k], a[k + ', square crop'])} |")
     text = "\n".join(lines) + "\n"
     out = ROOT / "bench_results/experiments"
     out.mkdir(parents=True, exist_ok=True)
-    name = f"naflex_steps{args.steps}" if args.steps else "naflex"
-    (out / f"{name}.json").write_text(json.dumps({"seeds": args.seeds, "epochs": args.epochs, "steps": args.steps,
+    name = f"naflex{tag}" + (f"_steps{args.steps}" if args.steps else "")
+    (out / f"{name}.json").write_text(json.dumps({"data": str(shown), "seeds": args.seeds, "epochs": args.epochs,
+                                                  "steps": args.steps,
                                                   "results": res}, indent=2) + "\n")
     (out / f"{name}.md").write_text(text)
     print(text)
