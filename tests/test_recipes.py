@@ -12,6 +12,8 @@ import yaml
 
 from mmpretrain.config.load import load_config
 from mmpretrain.losses import LOSSES, build_objective
+from mmpretrain.models import factory
+from mmpretrain.models.caption import decoder_shape, is_coca
 from mmpretrain.testing.largest_matrix import traced_peak
 from tests.conftest import ROOT
 
@@ -25,7 +27,7 @@ CASES = [
     ("sigmoid", {"hard_negatives": True}), ("resa", {}), ("resa", {"chunk_size": 5}),
     ("sigmoid", {}), ("sigmoid", {"chunk_size": 5}), ("sigmoid", {"within_view_negatives": True}),
     ("soft_target", {}), ("soft_target", {"chunk_size": 5}), ("soft_target", {"space": "image_image"}),
-    ("cwcl", {}), ("distill", {}), ("distill", {"chunk_size": 5}), ("global_clip", {}), ("align_uniform", {}), ("vrn", {}),
+    ("cwcl", {}), ("caption", {}), ("caption", {"pad_id": 3}), ("distill", {}), ("distill", {"chunk_size": 5}), ("global_clip", {}), ("align_uniform", {}), ("vrn", {}),
     ("regions", {"base": "clip", "scales": [2, 3], "bank_size": 24, "refresh_every": 1}),
     ("regions", {"base": "soft_target", "scales": [2], "bank_size": 24, "refresh_every": 1}),
 ]
@@ -72,6 +74,9 @@ def test_every_shipped_recipe_fits_and_says_its_batch(recipe):
         batch = cfg.data.naflex.max_tokens_per_batch // min(cfg.data.naflex.seq_lens)
     objective = build_objective([t.model_dump() for t in cfg.loss], rank=0, world_size=ranks,
                                 dataset_size=3_000_000, index_size=3_000_000)
+    model_cfg = factory.resolve_model_cfg(cfg.model.arch, cfg.model.text_model, cfg.model.overrides)
+    if is_coca(model_cfg):  # the caption decoder's logits, as the trainer counts them
+        objective.for_decoder(*decoder_shape(model_cfg))
     fp32 = 4 * objective.largest_matrix(batch)
     assert fp32 <= GIB, f"{recipe.name}: {fp32 / GIB:.2f} GiB matrix at {ranks} x {batch}"
     if gpus:  # a GPU recipe states its per-GPU and global batch, and what keeps it in memory

@@ -18,6 +18,7 @@ from torch import nn
 
 from mmpretrain.losses.align_uniform import AlignUniformLoss
 from mmpretrain.losses.base import NEEDS, Objective, class_needs, is_term, total_of
+from mmpretrain.losses.caption import CaptionLoss
 from mmpretrain.losses.clip import ClipLoss
 from mmpretrain.losses.cwcl import CwclLoss
 from mmpretrain.losses.distill import DistillLoss
@@ -29,9 +30,10 @@ from mmpretrain.losses.sigmoid import SigmoidLoss
 from mmpretrain.losses.soft_target import SoftTargetLoss
 from mmpretrain.losses.vrn import VrnLoss
 
-# every objective by its config name: the registry's, the wrapper around any one of them, and resa (its
-# targets are of the whole batch's encodings, which a region's sub-batch does not carry: not wrappable)
-LOSSES: dict[str, type[Objective]] = {**OBJECTIVES, "regions": RegionLoss, "resa": ResaLoss}
+# every objective by its config name: the registry's, the wrapper around any one of them, resa (its
+# targets are of the whole batch's encodings, which a region's sub-batch does not carry: not wrappable) and
+# caption (per-token, of the decoder's logits: nothing of a region's features)
+LOSSES: dict[str, type[Objective]] = {**OBJECTIVES, "regions": RegionLoss, "resa": ResaLoss, "caption": CaptionLoss}
 
 
 def _any_term(flag: str, default: bool = False) -> property:
@@ -64,6 +66,14 @@ class WeightedObjective(nn.Module):
         if len(found) > 1:
             raise ValueError("loss terms take image encodings from both the online weights and the ema")
         return next(iter(found), None)
+
+    def for_decoder(self, context_length: int, vocab_size: int) -> WeightedObjective:
+        """Every caption term's matrix for a decoder over ``context_length`` tokens and ``vocab_size`` ids
+        (:meth:`~mmpretrain.losses.caption.CaptionLoss.for_decoder`; the trainer's, from the model)."""
+        for t in self.terms:
+            if hasattr(t, "for_decoder"):
+                t.for_decoder(context_length, vocab_size)
+        return self
 
     whole_batch = _any_term("whole_batch")
     uses_logit_scale = _any_term("uses_logit_scale", default=True)

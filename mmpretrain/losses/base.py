@@ -41,6 +41,8 @@ NEEDS: dict[str, str] = {
     "image_encodings": "image_encodings (B, P): the image tower's pooled output before its projection "
                        "(detached), from the model's forward, or with encodings = 'ema' from the train.ema "
                        "average's image tower",
+    "caption": "caption_logits (B, L-1, V) and caption_labels (B, L-1): the model's caption decoder (a CoCa arch) "
+               "teacher-forced on the batch's caption tokens, from the model's forward (with caption=True)",
     "dataset_size": "the constructor is given dataset_size (samples per epoch) unless its options set it",
     "index_size": "the constructor is given index_size, the number of distinct sample indices (the training "
                   "data's samples over every source, from sizes.json), for per-sample tables",

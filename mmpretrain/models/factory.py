@@ -31,6 +31,7 @@ from mmpretrain.models import (
     naflex,  # noqa: F401  (registers mmpt_naflexvit_tiny with timm)
     patch_dropout,
 )
+from mmpretrain.models.caption import caption_outputs, init_decoder, is_coca
 from mmpretrain.models.text import encode_text_trimmed
 from mmpretrain.run_files import MODEL_WEIGHTS, RunFolder, checkpoint_clip_weights
 
@@ -144,11 +145,13 @@ def instantiate(model_cfg: dict, load_text_weights: bool, nonscalar_logit_scale:
     if hf:
         cfg["text_cfg"]["hf_model_pretrained"] = load_text_weights
     custom = cfg.pop("custom_text", False) or hf
-    cls = open_clip.CustomTextCLIP if custom else open_clip.CLIP
+    # a multimodal_cfg: open_clip's CoCa (a caption decoder over the image tower's tokens; the caption objective)
+    cls = open_clip.CoCa if is_coca(cfg) else open_clip.CustomTextCLIP if custom else open_clip.CLIP
     if nonscalar_logit_scale:
         cfg["nonscalar_logit_scale"] = True
     with quiet_load():  # the HF tower's load: no progress bar, no report of the unused pooler weights
-        return cls(**cfg)
+        model = cls(**cfg)
+    return init_decoder(model) if cls is open_clip.CoCa else model
 
 
 LOGIT_KEYS = ("logit_scale", "logit_bias")
@@ -211,12 +214,19 @@ class DualEncoder(nn.Module):
         negative_tokens: torch.Tensor | None = None,
         encodings: bool = False,
         patch_keep: torch.Tensor | None = None,
+        caption: bool = False,
     ) -> dict[str, torch.Tensor]:
         """``images (B, 3, H, W)``, ``tokens (B, L)``, ``target_embeddings (B, E)``; ``negative_tokens (B, L)``
         (hard negatives) are encoded in the same text pass and returned as ``negative_text_features``;
         ``encodings``: also ``image_encodings``, the image tower's pooled output before its projection
         (detached: targets are made of it, never trained through it); ``patch_keep (B, K)``: the patches the
-        image tower keeps (``model.patch_dropout``, :mod:`mmpretrain.models.patch_dropout`; None: all)."""
+        image tower keeps (``model.patch_dropout``, :mod:`mmpretrain.models.patch_dropout`; None: all);
+        ``caption``: also the caption decoder's next-token ``caption_logits (B, L-1, V)`` over the image
+        tower's tokens, teacher-forced on ``tokens``, and their targets ``caption_labels = tokens[:, 1:]``
+        (a CoCa model: :func:`caption_outputs`)."""
+        if caption:
+            with patch_dropout.dropping(self.clip.visual, patch_keep):
+                return self._logits(caption_outputs(self.clip, images, tokens))
         enc = None
         with patch_dropout.dropping(self.clip.visual, patch_keep):
             if encodings:
@@ -233,17 +243,22 @@ class DualEncoder(nn.Module):
             text_features, negative = both[:tokens.shape[0]], both[tokens.shape[0]:]
         else:
             text_features = encode_text_trimmed(self.clip, tokens)
+        return self._logits({
+            "image_features": image_features,
+            "text_features": text_features,
+            **({"negative_text_features": negative} if negative is not None else {}),
+            **({"image_encodings": enc} if enc is not None else {}),
+        })
+
+    def _logits(self, features: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``features`` with the logit scale (clamped, exponentiated) and bias, both 0-dim also when built
+        as vectors for FSDP."""
         scale, bias = self.clip.logit_scale, self.clip.logit_bias
         if self.max_log_scale is not None:
             scale = scale.clamp(0, self.max_log_scale)
-        return {
-            "image_features": image_features,
-            "text_features": text_features,
-            "logit_scale": scale.exp().reshape(()),  # 0-dim also when built as a vector for FSDP
-            "logit_bias": bias.reshape(()) if bias is not None else None,
-            **({"negative_text_features": negative} if negative is not None else {}),
-            **({"image_encodings": enc} if enc is not None else {}),
-        }
+        return {**features, "logit_scale": scale.exp().reshape(()),
+                "logit_bias": bias.reshape(()) if bias is not None else None}
+
 
 
 def has_pre_projection(visual: nn.Module) -> bool:

@@ -16,8 +16,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmpretrain.losses.base import total_of
 
-# feature and embedding widths no batch, chunk or cluster count in a test uses
+# feature and embedding widths no batch, chunk or cluster count in a test uses; the caption decoder's
+# context (its logits cover CAPTION - 1 positions) and vocabulary
 DIM, EMB = 97, 53
+CAPTION, VOCAB = 7, 89
 
 
 class _Peak(TorchDispatchMode):
@@ -44,6 +46,8 @@ def traced_peak(objective, batch: int, world_size: int, steps: int = 3, seed: in
     makes over ``steps`` forward+backward calls on random unit features of ``batch`` rows."""
     gen = torch.Generator().manual_seed(seed)
     peak = _Peak()
+    if hasattr(objective, "for_decoder"):  # the caption decoder's shape, as the trainer sets it
+        objective.for_decoder(CAPTION, VOCAB)
     with ExitStack() as stack:
         for name, module in list(sys.modules.items()):
             if name.startswith("mmpretrain.losses"):
@@ -70,6 +74,8 @@ def traced_peak(objective, batch: int, world_size: int, steps: int = 3, seed: in
                 # hard negatives (some samples without one) and the image tower's pre-projection encodings
                 negative_text_features=F.normalize(neg, dim=-1), negative_mask=torch.rand(batch, generator=gen) > 0.3,
                 image_encodings=torch.randn(batch, EMB, generator=gen),
+                caption_logits=torch.randn(batch, CAPTION - 1, VOCAB, generator=gen, requires_grad=True),
+                caption_labels=torch.randint(0, VOCAB, (batch, CAPTION - 1), generator=gen),
                 step=step * 1000, epoch=step * 1000 + 1)
             with peak:
                 out = objective(**inputs)

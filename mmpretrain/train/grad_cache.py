@@ -85,9 +85,9 @@ def for_objective(feats: dict[str, Any], device: torch.device) -> dict[str, Any]
 
 
 def forward_backward(accelerator, model, objective, images, tokens=None, target_emb=None, *,
-                     negative_tokens=None, encodings: bool = False, patch_keep=None, micro_batch: int | None = None, mode: str = "grad_cache",
+                     micro_batch: int | None = None, mode: str = "grad_cache",
                      finite: Callable[[torch.Tensor], bool] | None = None,
-                     context: dict[str, Any] | None = None) -> StepResult:
+                     context: dict[str, Any] | None = None, **model_kw) -> StepResult:
     """Gradients of the step's loss into the parameters. ``context``: the step context the objective
     receives as keywords (``step``, ``epoch``, and what it declares it needs: ``labels (B,)``,
     ``sample_index (B,)``); per-sample tensors in it are sliced with the micro-batches in accumulate mode.
@@ -99,18 +99,18 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
     gradients of a non-finite loss are discarded with it). In accumulate mode every micro-batch's
     backward has already run when the total is known; a False there only marks the result, and the
     caller discards the accumulated gradients (as it must in every mode when ``finite`` is False).
-    ``negative_tokens (B, L)``: hard-negative captions, encoded with the captions (``negative_text_features``);
-    ``encodings``: the model also returns the image tower's pre-projection ``image_encodings`` (detached);
-    ``patch_keep (B, K)``: the patches the image tower keeps, sliced with the micro-batches, so that grad
-    caching's second forward of a micro-batch drops the patches its first did."""
+    ``model_kw``: the model's other keywords (:attr:`~mmpretrain.train.task.StepInputs.model_kw`), tensors
+    sliced with the micro-batches: ``negative_tokens (B, L)``, hard-negative captions encoded with the
+    captions (``negative_text_features``); ``encodings``: the model also returns the image tower's
+    pre-projection ``image_encodings`` (detached); ``patch_keep (B, K)``: the patches the image tower keeps,
+    so that grad caching's second forward of a micro-batch drops the patches its first did; ``caption``:
+    the caption decoder's logits (not with grad caching: the decoder's loss is per sample, no batch term
+    to cache)."""
     acc = accelerator
     B = _first(images).shape[0]
     kw = context or {}
-    neg = {} if negative_tokens is None else {"negative_tokens": negative_tokens}
-    if encodings:
-        neg["encodings"] = True
-    if patch_keep is not None:
-        neg["patch_keep"] = patch_keep
+    neg = {k: v for k, v in model_kw.items() if v is not None and v is not False}
+    negative_tokens, encodings = neg.get("negative_tokens"), bool(neg.get("encodings"))
 
     def sub_neg(s):
         return {k: v[s] if isinstance(v, torch.Tensor) else v for k, v in neg.items()}
@@ -145,6 +145,9 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
         return _result(out, total, torch.cat(fi), torch.cat(ft), ok, feats["logit_scale"])
     if mode != "grad_cache":
         raise ValueError(f"train.micro_batch_mode={mode!r}: grad_cache or accumulate")
+    if neg.get("caption"):
+        raise ValueError("the caption objective with train.micro_batch_mode=grad_cache: its loss is per sample, "
+                         "with no batch term to cache; use train.micro_batch_mode=accumulate")
     device = _first(images).device
     states, img, txt, negs, encs = [], [], [], [], []
     with torch.no_grad():

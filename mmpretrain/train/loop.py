@@ -43,9 +43,8 @@ def train_step(run: Run, batch: Batch) -> StepResult:
         group["lr"] = lr * group.get("lr_scale", 1.0)
     inputs = run.task.inputs(batch, st.step, acc, run.model)
     res = forward_backward(acc, run.model, run.objective, inputs.images, inputs.tokens, inputs.target_embeddings,
-                           negative_tokens=inputs.negative_tokens, encodings=inputs.encodings, patch_keep=inputs.patch_keep,
                            micro_batch=cfg.train.micro_batch_size, mode=cfg.train.micro_batch_mode, finite=guard.agree,
-                           context=inputs.context)
+                           context=inputs.context, **inputs.model_kw)
     res.terms["lr"] = lr
     if isinstance(res.finite, torch.Tensor):  # decided on the device: no host read until the next log step
         guard.record(st.step, res.finite, res.terms)

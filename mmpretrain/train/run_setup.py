@@ -20,6 +20,7 @@ from mmpretrain.eval import Evaluator, expand_jobs, load_task_data
 from mmpretrain.hub_cache import offline, require_model
 from mmpretrain.losses import WeightedObjective, build_objective
 from mmpretrain.models import factory
+from mmpretrain.models.caption import decoder_shape, is_coca
 from mmpretrain.models.lora import apply_lora_note
 from mmpretrain.models.patch_dropout import PatchDraw
 from mmpretrain.models.target_encoder import choose_target_source, load_target_encoder
@@ -150,10 +151,34 @@ def build_model(cfg: ExperimentConfig, objective: WeightedObjective, sharded: st
         module.clip.logit_bias.requires_grad_(False)
     if m.lora is not None:
         apply_lora_note(module, m, sharded)
+    check_caption(cfg, objective, model_cfg, module)
     if "image_encodings" in objective.needs and not factory.has_pre_projection(module.clip.visual):
         raise ConfigError(f"loss resa needs the image tower's output before its projection, which model.arch={m.arch}'s "
                           f"{type(module.clip.visual).__name__} does not expose (open_clip's ViT towers do)")
     return Model(module, model_cfg, factory.default_preprocess_cfg(model_cfg))
+
+
+def check_caption(cfg: ExperimentConfig, objective: WeightedObjective, model_cfg: dict, module) -> None:
+    """The caption objective takes a CoCa arch's decoder and the batch's caption tokens, beside a contrastive
+    term, without grad caching; its matrix is the decoder's logits. A CoCa arch trained without it keeps its
+    decoder frozen (no gradient: DDP stops at the second step on a parameter that gets none)."""
+    if "caption" not in objective.needs:
+        if is_coca(model_cfg):
+            module.clip.text_decoder.requires_grad_(False)
+        return
+    m, t = cfg.model, cfg.train
+    if not is_coca(model_cfg):
+        raise ConfigError(f"loss caption needs a caption decoder, which model.arch={m.arch} has not: use a CoCa arch "
+                          "(mmpt-tiny-coca, coca_ViT-B-32: a multimodal_cfg)")
+    if m.text_from_targets:
+        raise ConfigError("loss caption decodes the caption's tokens: set model.text_from_targets=false")
+    if set(objective.names) <= {"caption"}:
+        raise ConfigError("loss caption trains beside a contrastive term, as CoCa does: add {name: clip} (or "
+                          "sigmoid) to loss")
+    if t.micro_batch_size is not None and t.micro_batch_mode == "grad_cache":
+        raise ConfigError("loss caption with train.micro_batch_mode=grad_cache: its loss is per sample, with no "
+                          "batch term to cache; use train.micro_batch_mode=accumulate")
+    objective.for_decoder(*decoder_shape(model_cfg))
 
 
 def make_optimizer(cfg: ExperimentConfig, module: torch.nn.Module) -> torch.optim.Optimizer:

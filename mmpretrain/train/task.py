@@ -25,7 +25,8 @@ from mmpretrain.models.text import padded_length
 @dataclass
 class StepInputs:
     """One step's inputs on the device: the model's (``images (B, 3, H, W)``, ``tokens (B, L)``,
-    ``target_embeddings (B, E)``, ``negative_tokens (B, L)``, whether it returns ``image_encodings``) and
+    ``target_embeddings (B, E)``, ``negative_tokens (B, L)``, whether it returns ``image_encodings``, and
+    ``caption_logits`` with ``caption``) and
     ``context``, the objective's keywords besides the features (``step``, ``epoch`` and its needs)."""
 
     images: torch.Tensor
@@ -35,6 +36,15 @@ class StepInputs:
     encodings: bool = False
     context: dict[str, Any] = field(default_factory=dict)
     patch_keep: torch.Tensor | None = None
+    caption: bool = False
+
+    @property
+    def model_kw(self) -> dict[str, Any]:
+        """The model's keywords besides images, tokens and targets, those in use only: what ``forward_backward``
+        hands the model (tensors sliced with its micro-batches)."""
+        kw = {"negative_tokens": self.negative_tokens, "encodings": self.encodings, "patch_keep": self.patch_keep,
+              "caption": self.caption}
+        return {k: v for k, v in kw.items() if v is not None and v is not False}
 
 
 @dataclass
@@ -86,7 +96,8 @@ class TrainingTask:
         if self.patch_dropout is not None:  # drawn on the host from the sample's index: no device RNG, no sync
             keep = self.patch_dropout.keep(batch.sample_index, step)
             keep = to_device(keep, device)
-        return StepInputs(images, tokens, target, negative_tokens, encodings == "online", context, keep)
+        return StepInputs(images, tokens, target, negative_tokens, encodings == "online", context, keep,
+                          "caption" in self.needs)
 
     def _tokens(self, batch: Batch, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The captions' tokens and, with ``negatives``, the negatives' (one text pass: both cut to the
