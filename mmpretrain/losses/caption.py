@@ -30,16 +30,16 @@ class CaptionLoss(Objective):
         if not isinstance(pad_id, int) or isinstance(pad_id, bool):
             raise ValueError(f"caption: pad_id must be the tokenizer's padding id (0 for CLIP's), not {pad_id!r}")
         self.pad_id = pad_id
-        self.vocab: int | None = None  # set by the trainer from the model: the largest matrix's width
+        self.per_sample: int | None = None  # logits per sample, (L-1) x V: set by the trainer from the model
 
     def largest_matrix(self, batch: int) -> int:
         """The logits and their softmax, ``batch x (L-1) x V``: per rank, never gathered; ``(L-1) x V`` is the
         decoder's, set with :meth:`for_decoder` (unset: the contrastive default)."""
-        return super().largest_matrix(batch) if self.vocab is None else batch * self.vocab
+        return super().largest_matrix(batch) if self.per_sample is None else batch * self.per_sample
 
     def for_decoder(self, context_length: int, vocab_size: int) -> CaptionLoss:
         """This objective's matrix for a decoder over ``context_length`` tokens and ``vocab_size`` ids."""
-        self.vocab = (context_length - 1) * vocab_size
+        self.per_sample = (context_length - 1) * vocab_size
         return self
 
     def forward(self, caption_logits: torch.Tensor, caption_labels: torch.Tensor, **_) -> dict[str, torch.Tensor]:
