@@ -135,6 +135,7 @@ def test_tiny_caption_trains_from_the_cli(openmoji, tmp_path):
     (["model.arch=mmpt-tiny-vit"], "loss caption needs a caption decoder, which model.arch=mmpt-tiny-vit has not"),
     (["loss=[{name: caption}]"], "loss caption trains beside a contrastive term"),
     (["train.micro_batch_size=16"], "use train.micro_batch_mode=accumulate"),
+    (["loss=[{name: clip, options: {hard_negatives: true}}, {name: caption}]"], "not offered with the caption decoder"),
     (["loss=[{name: clip}, {name: caption, options: {pad_id: x}}]"], "pad_id must be the tokenizer's padding id"),
 ])
 def test_caption_refusals_name_the_setting(openmoji, tmp_path, overrides, says):

@@ -175,6 +175,9 @@ def check_caption(cfg: ExperimentConfig, objective: WeightedObjective, model_cfg
     if set(objective.names) <= {"caption"}:
         raise ConfigError("loss caption trains beside a contrastive term, as CoCa does: add {name: clip} (or "
                           "sigmoid) to loss")
+    if others := sorted(objective.needs & {"negatives", "image_encodings"}):  # the caption forward returns neither
+        raise ConfigError(f"loss caption beside a term that needs {others} (hard_negatives, resa): not offered with "
+                          "the caption decoder yet; train them without caption")
     if t.micro_batch_size is not None and t.micro_batch_mode == "grad_cache":
         raise ConfigError("loss caption with train.micro_batch_mode=grad_cache: its loss is per sample, with no "
                           "batch term to cache; use train.micro_batch_mode=accumulate")
