@@ -1,4 +1,4 @@
-"""Evaluation: zero-shot classification and retrieval, linear probe, k-NN, clustering and image-caption
+"""Evaluation: zero-shot classification and retrieval, linear probe, k-NN, clustering, captioning and image-caption
 selection (SugarCrepe, Winoground), under clip_benchmark's metric names, each entry of ``results.json`` with its chance levels.
 
 One module per task, each with its metrics and its runner ``run(model, preprocess, tokenizer, data,
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from mmpretrain.eval import clustering, knn, linear_probe, retrieval, selection, zero_shot
+from mmpretrain.eval import captioning, clustering, knn, linear_probe, retrieval, selection, zero_shot
 from mmpretrain.eval.context import EvalContext, gather
 from mmpretrain.eval.datasets import EvalDataset, load_dataset, load_splits
 from mmpretrain.eval.selection_data import SelectionDataset, expand_spec, load_selection
@@ -44,6 +44,7 @@ TASKS: dict[str, Task] = {
     "knn": Task(knn.run, "splits"),
     "clustering": Task(clustering.run, "test_split"),
     "image_caption_selection": Task(selection.run, "selection"),
+    "captioning": Task(captioning.run, "dataset"),
 }
 
 TaskData = EvalDataset | tuple[EvalDataset | None, EvalDataset] | SelectionDataset
@@ -70,16 +71,18 @@ def load_task_data(spec: str, task: str) -> TaskData:
 
 def evaluate(model, preprocess, tokenizer, data: str | Path | TaskData, task: str, *, model_name: str = "",
              batch_size: int = 256, recall_k: list[int] | None = None, device: str = "cpu", num_workers: int = 0,
-             rank: int = 0, world_size: int = 1, features: dict | None = None) -> dict[str, Any]:
+             rank: int = 0, world_size: int = 1, features: dict | None = None,
+             generation: dict | None = None) -> dict[str, Any]:
     """One ``results.json`` entry. ``data``: a dataset spec, or what :func:`load_task_data` returns.
     Under several processes every rank calls this with its ``rank`` (the default process group gathers).
     ``features``: one dict passed to every call on the same model, so tasks on the same dataset share
-    its image pass (the model must not change between those calls)."""
+    its image pass (the model must not change between those calls). ``generation``: captioning's options
+    (``num_beams``, ``max_len``, ``min_len``)."""
     if isinstance(data, (str, Path)):
         data = load_task_data(str(data), task)
     ctx = EvalContext(batch_size=batch_size, device=device, num_workers=num_workers,
                       recall_k=tuple(recall_k or (1, 5, 10)), rank=rank, world_size=world_size,
-                      features=features)
+                      features=features, generation=generation)
     model.eval()
     res = TASKS[task].run(model, preprocess, tokenizer, data, ctx)
     ds = data if isinstance(data, (EvalDataset, SelectionDataset)) else data[1]
@@ -109,10 +112,14 @@ class Evaluator:
         was_training = model.training
         features: dict = {}  # this call's model: its tasks on one dataset share the image pass
         try:
-            return [evaluate(model, preprocess, tokenizer, d, t, model_name=model_name, batch_size=self.batch_size,
-                             recall_k=self.recall_k, device=self.device, num_workers=self.num_workers,
-                             rank=self.rank, world_size=self.world_size, features=features)
-                    for d, t in self.jobs]
+            entries = [evaluate(model, preprocess, tokenizer, d, t, model_name=model_name,
+                                batch_size=self.batch_size, recall_k=self.recall_k, device=self.device,
+                                num_workers=self.num_workers, rank=self.rank, world_size=self.world_size,
+                                features=features)
+                       for d, t in self.jobs]
+            for e in entries:  # a training log keeps the scores, not every generated caption
+                e.pop("captions", None)
+            return entries
         finally:
             model.train(was_training)
 

@@ -52,7 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--naflex-seq-len", type=int, nargs="+", default=None, metavar="N",
                    help="a NaFlex model at N image patches, one entry per N (default: a run's longest training "
                         "length, else the model's position table's)")
+    p.add_argument("--num-beams", type=int, default=6,
+                   help="captioning: beam search over this many beams (1: greedy)")
+    p.add_argument("--max-caption-len", type=int, default=30, help="captioning: tokens per caption at most, "
+                   "start and end tokens included")
+    p.add_argument("--min-caption-len", type=int, default=5, help="captioning: no end token before this many")
     args = p.parse_args(argv)
+    if args.num_beams < 1 or not 1 <= args.min_caption_len < args.max_caption_len:
+        p.error("--num-beams must be >= 1 and 1 <= --min-caption-len < --max-caption-len")
     if args.naflex_seq_len is not None and (min(args.naflex_seq_len) < 1 or args.interpolate is not None):
         p.error("--naflex-seq-len takes positive lengths, without --interpolate")
     if (args.interpolate is None) != (args.alpha is None):
@@ -111,11 +118,22 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
 
+    if "captioning" in tasks:
+        from mmpretrain.eval.captioning import check_captioner
+
+        try:
+            check_captioner(model, tokenizer)
+        except ValueError as e:
+            print(f"error: --model {args.model}: {e}", file=sys.stderr)
+            return 2
+    generation = {"num_beams": args.num_beams, "max_len": args.max_caption_len, "min_len": args.min_caption_len}
+
     def evaluate_all(tag: str = "", pre=None) -> list[dict]:
         features: dict = {}  # one model: the probe tasks on a dataset share its image pass
         return [evaluate(model, pre or preprocess, tokenizer, d, task, model_name=args.model + tag,
                          batch_size=args.batch_size, recall_k=args.recall_k, device=device,
-                         num_workers=args.num_workers, rank=proc.rank, world_size=proc.world_size, features=features)
+                         num_workers=args.num_workers, rank=proc.rank, world_size=proc.world_size, features=features,
+                         generation=generation)
                 for d, task in zip(data, tasks)]
 
     try:
@@ -142,7 +160,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if not proc.is_main:
         return 0
+    captions = {i: e.pop("captions") for i, e in enumerate(entries) if "captions" in e}
     print(format_table(entries))
+    if captions and args.output:
+        from mmpretrain.eval.captioning import write_captions
+
+        for i, rows in captions.items():
+            entries[i]["captions_file"] = write_captions(args.output, entries[i], rows)
+            print(f"captions: {entries[i]['captions_file']}")
+    elif captions:
+        print("captions: not kept (give --output to write them, one JSON line per image, beside results.json)")
     if args.output:
         merge_results(args.output, entries)
         if args.interpolate is not None:

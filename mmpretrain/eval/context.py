@@ -37,6 +37,8 @@ class EvalContext:
     skipped: Counter = field(default_factory=Counter, compare=False)  # this rank's skipped samples, by reason
     # image features already extracted in this run (one model): the probe tasks share a dataset's pass
     features: dict | None = field(default=None, compare=False)
+    # captioning's generate() options: num_beams, max_len, min_len (mmpretrain.eval.captioning's defaults)
+    generation: dict | None = field(default=None, compare=False)
 
 
 def gather(obj: Any, world_size: int) -> list[Any]:
