@@ -142,3 +142,30 @@ def test_caption_refusals_name_the_setting(openmoji, tmp_path, overrides, says):
     r = run_main("mmpretrain.train", "--config", str(CONFIG), f"data.train={openmoji / 'train'}",
                  f"run_dir={tmp_path / 'run'}", "train.steps=2", "train.epochs=null", "optim.warmup_steps=1", *overrides)
     assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_the_decoder_takes_model_overrides_on_a_coca_arch_only():
+    cfg = factory.resolve_model_cfg("mmpt-tiny-coca", overrides={"multimodal_cfg": {"context_length": 16},
+                                                                 "text_cfg": {"context_length": 16}})
+    assert cfg["multimodal_cfg"]["context_length"] == 16 and cfg["multimodal_cfg"]["layers"] == 2  # merged, not replaced
+    with pytest.raises(ValueError, match="did you mean context_length"):
+        factory.resolve_model_cfg("mmpt-tiny-coca", overrides={"multimodal_cfg": {"contxt_length": 16}})
+    with pytest.raises(ValueError, match="has no caption decoder to change"):
+        factory.resolve_model_cfg("mmpt-tiny-vit", overrides={"multimodal_cfg": {"layers": 1}})
+
+
+def test_caption_on_two_processes_through_accelerate_launch(openmoji, tmp_path):
+    """DDP over 2 gloo processes as a user launches it (the decoder a module of the DDP-wrapped model, its
+    gradients all-reduced with the towers'): every step logged, the caption term falling, both ranks' samples."""
+    from conftest import launch
+
+    run = tmp_path / "run"
+    r = launch(run, openmoji / "train", "train.steps=8", "train.epochs=null", "data.batch_size=16",
+               "data.num_workers=1", "optim.warmup_steps=1", "train.log_every=1", "model.arch=mmpt-tiny-coca",
+               "model.lock_text=false", "model.text_from_targets=false",
+               "loss=[{name: clip}, {name: caption, weight: 2.0}]")
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
+    caption = [x["caption_unweighted"] for x in records if "caption_unweighted" in x]
+    assert len(caption) == 8 and caption[-1] < caption[0] - 0.5, caption
+    assert records[-1]["samples"] == 8 * 32  # 16 per rank x 2 ranks

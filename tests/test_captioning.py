@@ -173,10 +173,12 @@ GEN = ["--num-beams", "2", "--max-caption-len", "10", "--batch_size", "64", "--n
 def test_captioning_from_the_cli_scores_its_captions_file_as_pycocoevalcap_does(coca_run, openmoji, tmp_path,
                                                                                monkeypatch):
     out = tmp_path / "results.json"
-    r = run_main("mmpretrain.eval", "--model", str(coca_run), "--dataset", str(openmoji / "test"), "--task",
-                 "captioning", "--output", str(out), *GEN)
+    # with a probe beside it: a CoCa tower returns (pooled, tokens), and its pre-projection features are the pooled
+    r = run_main("mmpretrain.eval", "--model", str(coca_run), "--dataset", str(openmoji / "test"), str(openmoji),
+                 "--task", "captioning", "linear_probe", "--output", str(out), *GEN)
     assert r.returncode == 0, r.stderr[-3000:]
-    (entry,) = json.loads(out.read_text())["results"]
+    entry, probe = json.loads(out.read_text())["results"]
+    assert probe["metrics"]["lp_acc1_preproj"] > 0
     assert set(entry["metrics"]) == set(METRICS) and entry["generation"] == {"num_beams": 2, "max_len": 10,
                                                                              "min_len": 5}
     assert "CIDEr" in r.stdout and "captions:" in r.stdout

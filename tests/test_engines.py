@@ -273,3 +273,25 @@ def test_fsdp_region_weighting_as_ddp_and_resumes_exactly(openmoji, tmp_path):
     a = load_file(fsdp / f"checkpoints/step_{STEPS:08d}/objective.safetensors")
     b = load_file(resumed / f"checkpoints/step_{STEPS:08d}/objective.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# open_clip's CoCa (mmpt-tiny-coca) with its caption decoder, trained by clip + 2 x caption
+COCA = ["model.arch=mmpt-tiny-coca", "model.lock_text=false", "model.text_from_targets=false",
+        "loss=[{name: clip}, {name: caption, weight: 2.0}]"]
+
+
+@pytest.mark.slow
+def test_fsdp_caption_decoder_as_ddp_and_resumes_exactly(openmoji, tmp_path):
+    """The caption decoder under FSDP1 (FULL_SHARD, use_orig_params): DDP's losses, caption term included, and
+    weights, decoder included, and a bit-identical resume (tests/test_caption.py launches DDP in make test)."""
+    ddp, fsdp, resumed = tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "resumed"
+    launch(openmoji, ddp, "cpu-2proc", [], *COCA)
+    launch(openmoji, fsdp, "fsdp", FSDP, *COCA)
+    launch(openmoji, resumed, "fsdp", FSDP, *COCA, f"resume={fsdp / 'checkpoints/step_00000003'}")
+    check_engine_run(ddp, fsdp, resumed)
+    a = [json.loads(x) for x in (fsdp / "log.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (ddp / "log.jsonl").read_text().splitlines()]
+    assert [r["caption_unweighted"] for r in a] == pytest.approx([r["caption_unweighted"] for r in b], rel=1e-5)
+    wd, wf = weights(ddp), weights(fsdp)
+    decoder = [k for k in wd if k.startswith("clip.text_decoder.")]
+    assert decoder and not torch.equal(wd[decoder[0]], weights(ddp, 3)[decoder[0]])  # the decoder trained

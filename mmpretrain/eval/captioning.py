@@ -80,6 +80,10 @@ def check_captioner(model, tokenizer) -> None:
     if not hasattr(model, "text_decoder"):
         raise ValueError("--task captioning needs a model with a caption decoder: a CoCa model (trained with the "
                          "caption objective, or an open_clip coca_* architecture)")
+    try:
+        import pycocoevalcap  # noqa: F401
+    except ImportError:
+        raise ValueError("--task captioning scores with pycocoevalcap: pip install 'simpretrain[captioning]'") from None
     if not all(hasattr(tokenizer, a) for a in ("sot_token_id", "eot_token_id", "decode")):
         raise ValueError(f"--task captioning: the model's tokenizer ({type(tokenizer).__name__}) does not name its "
                          "start and end tokens; captioning takes open_clip's CLIP tokenizer")

@@ -51,7 +51,10 @@ def _image_features(model, preprocess, ds: EvalDataset, ctx: EvalContext):
             proj = visual.proj
             try:
                 visual.proj = None
-                pre.append(F.normalize(visual(x).float(), dim=-1).cpu())
+                pooled = visual(x)
+                if isinstance(pooled, tuple):  # a tower that also returns its tokens (CoCa's: the decoder's input)
+                    pooled = pooled[0]
+                pre.append(F.normalize(pooled.float(), dim=-1).cpu())
             finally:
                 visual.proj = proj
         index.append(idx)

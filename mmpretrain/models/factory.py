@@ -73,6 +73,9 @@ def resolve_model_cfg(arch: str, text_model: str | None = None, overrides: dict 
             f"(packaged tiny ones: {sorted(p.stem for p in PACKAGED_CONFIGS.glob('*.json'))})"
         )
     check_overrides(overrides or {})
+    if "multimodal_cfg" in (overrides or {}) and not is_coca(cfg):
+        raise ValueError(f"model.overrides.multimodal_cfg: model.arch={arch!r} has no caption decoder to change; "
+                         "use a CoCa arch (mmpt-tiny-coca, coca_ViT-B-32)")
     cfg = _deep_merge(cfg, overrides or {})
     if text_model is not None:
         if not is_hf_text(cfg):
@@ -85,7 +88,8 @@ def resolve_model_cfg(arch: str, text_model: str | None = None, overrides: dict 
     return cfg
 
 
-_TOWER_CFGS = {"vision_cfg": open_clip.CLIPVisionCfg, "text_cfg": open_clip.CLIPTextCfg}
+_TOWER_CFGS = {"vision_cfg": open_clip.CLIPVisionCfg, "text_cfg": open_clip.CLIPTextCfg,
+               "multimodal_cfg": open_clip.coca_model.MultimodalCfg}  # a CoCa arch's caption decoder
 
 
 def _type_ok(value, hint) -> bool:
@@ -107,8 +111,8 @@ def _type_ok(value, hint) -> bool:
 def check_overrides(overrides: dict) -> None:
     """``model.overrides`` keys must be open_clip's (the model's arguments, ``vision_cfg``/``text_cfg``
     fields) with values of their types; a misspelt key would be a TypeError deep in open_clip."""
-    top = set(inspect.signature(open_clip.CLIP.__init__).parameters) | set(
-        inspect.signature(open_clip.CustomTextCLIP.__init__).parameters) | {"custom_text"}
+    top = set().union(*(inspect.signature(m.__init__).parameters for m in (
+        open_clip.CLIP, open_clip.CustomTextCLIP, open_clip.CoCa))) | {"custom_text"}
     top -= {"self", "args", "kwargs"}
     for key, value in overrides.items():
         if key not in top:

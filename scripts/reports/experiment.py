@@ -42,6 +42,7 @@ NOTO = ROOT / ".cache/noto/emoji-datasource-google-16.0.0"  # `make noto`
 
 
 from grid import (  # noqa: E402,F401
+    CAPTION_VARIANTS,
     INPUT_SIZE,
     MODEL_OVERRIDES,
     REGION_WARMUP,
@@ -127,7 +128,7 @@ def cell_config(variant: str, seed: int, batch: int, args, data: Path, run: Path
 HELDOUT_TASKS = ("zeroshot_classification", "linear_probe", "knn", "clustering")
 
 
-def final_eval(run: Path, data: Path, name: str, tasks: list[str]) -> dict[str, float]:
+def final_eval(run: Path, data: Path, name: str, tasks: list[str], caption: bool = False) -> dict[str, float]:
     jobs = [("heldout", str(data), t) for t in tasks]
     if (data / "digits").is_dir() and "zeroshot_classification" in tasks:
         jobs.append(("digits", str(data / "digits"), "zeroshot_classification"))
@@ -136,9 +137,13 @@ def final_eval(run: Path, data: Path, name: str, tasks: list[str]) -> dict[str, 
     if (data / "noto").is_dir() and "zeroshot_classification" in tasks:  # the second drawing style
         jobs += [("cross_style", str(data / "noto"), "zeroshot_classification"),
                  ("cross_style_retrieval", str(data / "noto"), "zeroshot_retrieval")]
+    generation = []
+    if caption:  # a CoCa cell: its captions of the held-out emoji (names of 1-4 words: no 4-token minimum)
+        jobs.append(("captioning", str(data / "test"), "captioning"))
+        generation = ["--num-beams", "3", "--max-caption-len", "16", "--min-caption-len", "2"]
     out = run / "final_results.json"  # the run folder is new (train_cell): nothing to replace
     run_cli("mmpretrain.eval", "--model", str(run), "--dataset", *[j[1] for j in jobs], "--task", *[j[2] for j in jobs],
-            "--num_workers", "1", "--output", str(out), log=run / "experiment.log")
+            "--num_workers", "1", "--output", str(out), *generation, log=run / "experiment.log")
     entries = json.loads(out.read_text())["results"]
     metrics: dict[str, float] = {}
     for (label, _, _), entry in zip(jobs, entries):
@@ -185,7 +190,8 @@ def train_cell(variant: str, seed: int, batch: int, args, data: Path, name: str,
     final_loss = next((r["loss"] for r in reversed(records) if "loss" in r), None)
     epochs = next((r["epoch"] for r in reversed(records) if "epoch" in r), None)  # passes over the training data
     return {"variant": variant, "seed": seed, "batch_size": batch, "steps": args.steps, "epochs": epochs,
-            "train_seconds": round(seconds, 1), "metrics": final_eval(run, data, name, args.tasks), "curve": curve,
+            "train_seconds": round(seconds, 1), "curve": curve,
+            "metrics": final_eval(run, data, name, args.tasks, variant in CAPTION_VARIANTS),
             "geometry": geometry, "regions": regions_curve, "final_loss": final_loss, "tasks": args.tasks}
 
 

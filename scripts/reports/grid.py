@@ -58,6 +58,14 @@ def lowres(steps: int, rewarm: bool = False) -> dict:
     return {"loss": [{"name": "clip"}], "train": {"steps": steps, "phases": [{"share": 0.9, "image_size": 16}, last]}}
 
 
+# The caption decoder (issue 65): open_clip's CoCa at the grid's widths (mmpt-tiny-coca: an attentional pooler
+# whose 16 tokens the 2-block decoder reads), trained with CLIP alone (its decoder frozen: the same towers) and
+# with CLIP + 2 x caption (CoCa's weights); captions of at most 16 tokens, decoded by the CLIP tokenizer
+COCA = {"arch": "mmpt-tiny-coca", "overrides": {**MODEL_OVERRIDES, "text_cfg": {**MODEL_OVERRIDES["text_cfg"],
+                                                                                "context_length": 16},
+                                               "multimodal_cfg": {"context_length": 16}}}
+CAPTION_VARIANTS = ("coca_clip", "coca_caption")
+
 VARIANTS = {
     "clip": lambda steps: {"loss": [{"name": "clip"}]},
     "sigmoid": lambda steps: {"loss": [{"name": "sigmoid"}]},
@@ -97,6 +105,8 @@ VARIANTS = {
     # run's schedule leaves its last tenth under 3 % of the peak rate to adapt to 16 tokens from 4
     "clip_lowres_rewarm": lambda steps: lowres(steps, rewarm=True),
     "clip_lowres_rewarm_compute": lambda steps: lowres(round(steps / COMPUTE["lowres"]), rewarm=True),
+    "coca_clip": lambda steps: {"loss": [{"name": "clip"}], "model": COCA},
+    "coca_caption": lambda steps: {"loss": [{"name": "clip"}, {"name": "caption", "weight": 2.0}], "model": COCA},
     "lit": lambda steps: {"loss": [{"name": "clip"}],
                           "model": {"arch": "mmpt-tiny-vit-minilm", "lock_text": True, "text_from_targets": True,
                                     "overrides": {k: v for k, v in MODEL_OVERRIDES.items() if k != "text_cfg"}}},
@@ -104,4 +114,4 @@ VARIANTS = {
 # the final evaluation's metrics kept in the JSON (every one the tasks give is kept; these are tabled)
 TABLE = ("heldout/acc1", "heldout/lp_acc1", "heldout/knn_acc1", "heldout/ari", "heldout/ari_preproj",
          "digits/acc1", "retrieval/image_retrieval_recall@5", "cross_style/acc1",
-         "cross_style_retrieval/image_retrieval_recall@5")
+         "cross_style_retrieval/image_retrieval_recall@5", "captioning/Bleu_4", "captioning/CIDEr")
