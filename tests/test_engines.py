@@ -295,3 +295,18 @@ def test_fsdp_caption_decoder_as_ddp_and_resumes_exactly(openmoji, tmp_path):
     wd = weights(ddp)  # check_engine_run compared the FSDP weights with these, decoder included
     decoder = [k for k in wd if k.startswith("clip.text_decoder.")]
     assert decoder and not torch.equal(wd[decoder[0]], weights(ddp, 3)[decoder[0]])  # the decoder trained
+
+
+@pytest.mark.slow
+def test_deepspeed_caption_decoder_as_ddp_and_resumes_exactly(openmoji, tmp_path):
+    """The caption decoder under the shipped deepspeed-zero2.yaml (its CPU accelerator): DDP's losses and
+    weights, decoder included, and a bit-identical resume."""
+    env = deepspeed_env()
+    ddp, ds, resumed = tmp_path / "ddp", tmp_path / "ds", tmp_path / "resumed"
+    launch(openmoji, ddp, "cpu-2proc", [], *COCA)
+    launch(openmoji, ds, "deepspeed-zero2", [], *COCA, env=env)
+    launch(openmoji, resumed, "deepspeed-zero2", [], *COCA, f"resume={ds / 'checkpoints/step_00000003'}", env=env)
+    check_engine_run(ddp, ds, resumed)
+    a = [json.loads(x) for x in (ds / "log.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (ddp / "log.jsonl").read_text().splitlines()]
+    assert [r["caption_unweighted"] for r in a] == pytest.approx([r["caption_unweighted"] for r in b], rel=1e-5)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 
 import torch
 
@@ -111,7 +112,14 @@ def run(model, preprocess, tokenizer, ds: EvalDataset, ctx: EvalContext) -> dict
         raise ValueError(f"{ds.name}: no reference captions to score against: its samples need a txt member "
                          "(one caption per line)")
     kind = default_tokenizer()
-    metrics = caption_scores([r for _, r in pairs], [g for g, _ in pairs], kind)
+    try:
+        metrics = caption_scores([r for _, r in pairs], [g for g, _ in pairs], kind)
+    except OSError as e:  # PTBTokenizer writes a temporary file into pycocoevalcap's folder, then runs java
+        if ctx.rank == 0:
+            print(f"warning: {ds.name} captioning: PTBTokenizer failed ({e}); tokenising in Python instead",
+                  file=sys.stderr)
+        kind = "python"
+        metrics = caption_scores([r for _, r in pairs], [g for g, _ in pairs], kind)
     samples = [{"index": int(i), "caption": g, "references": r}
                for i, g, r in zip(order.tolist(), out["generated"], out["refs"])]
     return {"n": len(pairs), "metrics": metrics, "chance": {}, "tokenizer": kind,

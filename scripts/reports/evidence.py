@@ -38,7 +38,8 @@ DATASETS = {
 LABELS = {"heldout/acc1": "zero-shot acc1", "heldout/lp_acc1": "linear probe", "heldout/knn_acc1": "k-NN",
           "heldout/ari": "ARI", "heldout/ari_preproj": "ARI pre-proj.", "digits/acc1": "digits acc1 (OOD)",
           "retrieval/image_retrieval_recall@5": "image R@5", "cross_style/acc1": "Noto acc1 (cross-style)",
-          "cross_style_retrieval/image_retrieval_recall@5": "Noto image R@5"}
+          "cross_style_retrieval/image_retrieval_recall@5": "Noto image R@5", "captioning/Bleu_4": "BLEU-4",
+          "captioning/CIDEr": "CIDEr"}
 
 
 def cell_value(cell: dict, source: str, key: str) -> float | None:
