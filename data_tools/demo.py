@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from data_tools.dense import DENSE, DENSE_FILES, mnist_dense
 from data_tools.images import encode, prepare
 from data_tools.noto import NOTO_FILES, build_second_style, noto_index
 from data_tools.parallel import build_parallel
@@ -90,8 +91,9 @@ def build_openmoji(out: Path, image_size: int, shard_size: int, limit: int | Non
 def build_mnist(out: Path, image_size: int, shard_size: int, limit: int | None, image_format: str,
                 workers: int = 1) -> dict:
     """``demo:mnist`` (data_tools/sources/mnist.py): ``train/`` (4,000 captioned digits), ``test/``
-    (1,000 held out, 100 per class) with clip_benchmark's layout at ``out``, and ``digits/``:
-    scikit-learn's 1,797 8x8 digits, an out-of-domain zero-shot set in the same layout."""
+    (1,000 held out, 100 per class) with clip_benchmark's layout at ``out``, ``digits/``: scikit-learn's
+    1,797 8x8 digits, an out-of-domain zero-shot set in the same layout, and ``dense/``: the same digits with
+    their strokes' label maps, for the dense probe (data_tools/dense.py)."""
     from data_tools.sources import mnist
 
     _, labels = mnist.load()
@@ -107,7 +109,8 @@ def build_mnist(out: Path, image_size: int, shard_size: int, limit: int | None, 
     digits = [{"__key__": f"digits{i:05d}", image_format: encode(prepare(img, image_size), image_format),
                "cls": str(t).encode()} for i, (img, t) in enumerate(zip(images, targets))]
     write_clip_benchmark_wds(out / "digits", digits, classes, list(mnist.TEMPLATES))
-    return write_manifest(out, common, summary, digits=len(digits))
+    dense = mnist_dense(out / DENSE, {"train": train, "test": test})  # the dense probe's per-pixel labels
+    return write_manifest(out, common, summary, digits=len(digits), dense=dense)
 
 
 def build_openmoji_all(out: Path, image_size: int, shard_size: int, limit: int | None, image_format: str,
@@ -157,6 +160,8 @@ def check_demo_out(out: Path, overwrite: bool) -> None:
     ours |= {out / f for f in (*WDS_FILES, MANIFEST, SIZES)}
     # demo:mnist's out-of-domain set (scikit-learn's digits), in its own clip_benchmark root
     ours |= {out / "digits" / f for f in WDS_FILES} | {out / "digits/test" / f for f in ("0.tar", "nshards.txt")}
+    # demo:mnist's per-pixel labelled set (data_tools/dense.py)
+    ours |= {out / DENSE / f for f in DENSE_FILES}
     # demo:openmoji-all's second drawing style (data_tools/noto.py), also a clip_benchmark root
     ours |= {out / "noto" / f for f in NOTO_FILES}
     ours = {f for f in ours if f.is_file()}

@@ -21,7 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from mmpretrain.eval import captioning, clustering, knn, linear_probe, retrieval, selection, zero_shot
+from mmpretrain.eval import (
+    captioning,
+    clustering,
+    dense_probe,
+    knn,
+    linear_probe,
+    retrieval,
+    selection,
+    zero_shot,
+)
 from mmpretrain.eval.context import EvalContext, gather
 from mmpretrain.eval.datasets import EvalDataset, load_dataset, load_splits
 from mmpretrain.eval.selection_data import SelectionDataset, expand_spec, load_selection
@@ -45,6 +54,7 @@ TASKS: dict[str, Task] = {
     "clustering": Task(clustering.run, "test_split"),
     "image_caption_selection": Task(selection.run, "selection"),
     "captioning": Task(captioning.run, "dataset"),
+    "dense_probe": Task(dense_probe.run, "splits"),
 }
 
 TaskData = EvalDataset | tuple[EvalDataset | None, EvalDataset] | SelectionDataset

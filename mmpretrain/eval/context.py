@@ -64,7 +64,7 @@ class _Share(IterableDataset):
             if self.labelled_only and s.label is None:
                 continue
             if s.image is None:
-                yield i, None, "undecodable_image", None  # counted by batches(), not evaluated
+                yield i, None, s.skip or "undecodable_image", None  # counted by batches(), not evaluated
                 continue
             yield i, self.preprocess(s.image), s.captions, s.label
 

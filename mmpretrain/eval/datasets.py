@@ -51,6 +51,9 @@ class EvalSample:
     image: Image.Image | None  # None: undecodable, skipped and counted
     captions: list[str]
     label: int | None
+    # a per-pixel label map (``seg.png``: one class index per pixel, the dense probe's); None without one
+    mask: Image.Image | None = None
+    skip: str | None = None  # why a sample without an image is left out (default: undecodable_image)
 
 
 @dataclass
@@ -114,7 +117,8 @@ class EvalDataset:
                 captions = []
                 if "txt" in raw:
                     captions = [c for c in raw["txt"].decode("utf-8", "replace").splitlines() if c.strip()]
-                yield i, EvalSample(raw["__key__"], image, captions, parse_label(raw))
+                mask = _mask(raw["seg.png"]) if "seg.png" in raw else None
+                yield i, EvalSample(raw["__key__"], image, captions, parse_label(raw), mask)
 
 
 def _rgb(open_image, source) -> Image.Image | None:
@@ -123,6 +127,17 @@ def _rgb(open_image, source) -> Image.Image | None:
         return open_image(source).convert("RGB")
     except Exception:  # PIL raises many kinds for bad bytes
         return None
+
+
+def _mask(data: bytes) -> Image.Image | None:
+    """A ``seg.png`` label map as an 8-bit single-band image, or None when it does not decode or is not
+    one band (the dense probe skips and counts the sample)."""
+    try:
+        mask = Image.open(io.BytesIO(data))
+        mask.load()
+    except Exception:  # PIL raises many kinds for bad bytes
+        return None
+    return mask if mask.mode in ("L", "P") else None
 
 
 def _read_lines(p: Path) -> list[str]:
