@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from data_tools.dense import DENSE, DENSE_FILES, mnist_dense
+from data_tools.dense import DENSE, DENSE_FILES, mnist_dense, openmoji_dense
 from data_tools.images import encode, prepare
 from data_tools.noto import NOTO_FILES, build_second_style, noto_index
 from data_tools.parallel import build_parallel
@@ -85,7 +85,8 @@ def build_openmoji(out: Path, image_size: int, shard_size: int, limit: int | Non
     common, summary, _ = build_splits(out, "demo:openmoji", openmoji.version(), "CC BY-SA 4.0", openmoji.ATTRIBUTION,
                                       "openmoji", splits, classes, list(openmoji.TEMPLATES), image_size, shard_size,
                                       limit, image_format, workers)
-    return write_manifest(out, common, summary)
+    dense = openmoji_dense(out / DENSE, {"train": train, "test": test}, classes, image_size)  # alpha label maps
+    return write_manifest(out, common, summary, dense=dense)
 
 
 def build_mnist(out: Path, image_size: int, shard_size: int, limit: int | None, image_format: str,
@@ -160,7 +161,7 @@ def check_demo_out(out: Path, overwrite: bool) -> None:
     ours |= {out / f for f in (*WDS_FILES, MANIFEST, SIZES)}
     # demo:mnist's out-of-domain set (scikit-learn's digits), in its own clip_benchmark root
     ours |= {out / "digits" / f for f in WDS_FILES} | {out / "digits/test" / f for f in ("0.tar", "nshards.txt")}
-    # demo:mnist's per-pixel labelled set (data_tools/dense.py)
+    # demo:mnist's and demo:openmoji's per-pixel labelled sets (data_tools/dense.py)
     ours |= {out / DENSE / f for f in DENSE_FILES}
     # demo:openmoji-all's second drawing style (data_tools/noto.py), also a clip_benchmark root
     ours |= {out / "noto" / f for f in NOTO_FILES}

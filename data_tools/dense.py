@@ -1,7 +1,9 @@
 """Per-pixel labelled sets from the packaged data, for ``python -m mmpretrain.eval --task dense_probe``:
-``demo:mnist`` writes ``dense/`` beside its shards, each digit with a label map of its strokes (pixels above
-half intensity are ``1 + digit``, the rest background ``0``), in clip_benchmark's ``wds`` layout with a
-``train/`` and a ``test/`` split (the digits' own split) and ``classnames.txt`` (``background`` first).
+``demo:mnist`` writes ``dense/`` beside its shards, each digit with a label map of its strokes (pixels at or
+above half intensity are ``1 + digit``, the rest background ``0``); ``demo:openmoji`` each labelled emoji with
+its glyph's alpha (``1 + class`` where the rendered alpha, resized with the image, is at least half, else
+``0``). Both in clip_benchmark's ``wds`` layout with a ``train/`` and a ``test/`` split (the build's own) and
+``classnames.txt`` (``background`` first).
 
 A sample is ``{key}.png`` (the image) and ``{key}.seg.png`` (its label map: an 8-bit grey PNG of the same
 size, one class index per pixel), plus ``{key}.cls`` (the image's class)."""
@@ -58,3 +60,27 @@ def mnist_dense(root: Path, splits: dict[str, list[int]]) -> dict[str, int]:
                    "seg.png": label_map(digit_mask(x[i], int(y[i]))), "cls": str(int(y[i])).encode()}
                   for i in idx] for name, idx in splits.items()}
     return write_dense(root, out, ["background", *mnist.CLASSNAMES])
+
+
+def openmoji_dense(root: Path, splits: dict[str, list], classes: list[str], image_size: int) -> dict[str, int]:
+    """``demo:openmoji``'s dense set: each split's labelled emoji drawn on white at ``image_size`` (the
+    shards' resize) with the label map of its alpha."""
+    from data_tools.images import encode, resize_shorter
+    from data_tools.sources.openmoji import Renderer
+
+    render = Renderer()
+    out: dict[str, list[dict]] = {}
+    for name, items in splits.items():
+        rows = []
+        for e in items:
+            if e.label not in classes:
+                continue
+            rgba = resize_shorter(render.rgba(e.text), image_size)
+            white = Image.new("RGB", rgba.size, (255, 255, 255))
+            white.paste(rgba, mask=rgba.getchannel("A"))
+            c = classes.index(e.label)
+            mask = np.where(np.array(rgba.getchannel("A")) >= THRESHOLD, 1 + c, 0)
+            rows.append({"__key__": e.key, "png": encode(white, "png"), "seg.png": label_map(mask),
+                         "cls": str(c).encode()})
+        out[name] = rows
+    return write_dense(root, out, ["background", *classes])

@@ -172,3 +172,22 @@ def test_bad_label_maps_are_counted_and_missing_ones_explained(mnist, tmp_path):
 def test_a_tower_without_patch_tokens_is_refused():
     with pytest.raises(ValueError, match="reads an open_clip ViT's patch tokens"):
         patch_tokens(torch.nn.Linear(2, 2), torch.zeros(1, 3, 8, 8))
+
+
+def test_the_emoji_dense_set_holds_their_alpha_and_probes(openmoji):
+    """demo:openmoji's dense/: each labelled emoji on white with its glyph's alpha as the label map."""
+    classes = (openmoji / "dense/classnames.txt").read_text().splitlines()
+    assert classes[0] == "background" and classes[1:] == (openmoji / "classnames.txt").read_text().splitlines()
+    with tarfile.open(openmoji / "dense/test/0.tar") as t:
+        members = {m.name: t.extractfile(m).read() for m in t.getmembers()}
+    keys = list(dict.fromkeys(n.split(".")[0] for n in members))
+    assert len(keys) >= 10
+    for key in keys:
+        seg = np.array(Image.open(io.BytesIO(members[f"{key}.seg.png"])))
+        image = np.array(Image.open(io.BytesIO(members[f"{key}.png"])).convert("L"))
+        cls = int(members[f"{key}.cls"])
+        assert set(np.unique(seg)) == {0, 1 + cls} and 0.05 < (seg > 0).mean() < 0.95
+        assert image[seg == 0].mean() > 235  # outside the glyph: the white canvas
+    r = run_main("mmpretrain.eval", "--model", "mmpt-tiny-vit", "--dataset", str(openmoji / "dense"), "--task",
+                 "dense_probe", "--num_workers", "0")
+    assert r.returncode == 0 and "dense_miou" in r.stdout, r.stderr[-3000:]

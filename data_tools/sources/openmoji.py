@@ -148,6 +148,14 @@ class Renderer:
         )
         return img
 
+    def rgba(self, text: str) -> Image.Image:
+        """The emoji on a transparent canvas: its alpha is where the glyph is (the dense set's masks)."""
+        img = Image.new("RGBA", (self.RENDER, self.RENDER), (255, 255, 255, 0))
+        ImageDraw.Draw(img).text(
+            (self.RENDER / 2, self.RENDER / 2), text, font=self.font, embedded_color=True, anchor="mm"
+        )
+        return img
+
 
 class OpenmojiSplit(RangeSource):
     """One split of the demo as a build source: emoji rendered on demand in the worker."""

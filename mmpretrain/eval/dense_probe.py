@@ -11,7 +11,7 @@ neighbour). The patch predictions, each spread over its pixels, are scored again
 C is chosen from :data:`C_GRID` on a 20 % validation split of the training images (by image: a patch's
 neighbours are not its validation), then refit on every training patch (at most ``MAX_TRAIN_PATCHES``,
 drawn with a fixed seed). Chance: the training patches' most frequent label predicted everywhere.
-``demo:mnist`` writes such a set (``DIR/dense``: the digits' strokes labelled ``1 + digit``).
+``demo:mnist`` and ``demo:openmoji`` write such sets (``DIR/dense``: the digits' strokes, the emoji's alpha).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def _split(model, preprocess, ds: EvalDataset, ctx: EvalContext, num_classes: in
     out, _ = gather_in_order(local, cat_or_empty(index, torch.long), ctx.world_size)
     if out["feats"] is None:
         raise ValueError(f"{ds.name}: no samples with a label map (seg.png): dense_probe needs per-pixel labels "
-                         "(python -m data_tools build demo:mnist writes DIR/dense)")
+                         "(python -m data_tools build demo:mnist or demo:openmoji writes DIR/dense)")
     return out["feats"], out["labels"], out["pixels"].long(), grid
 
 
