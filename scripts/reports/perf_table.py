@@ -45,10 +45,12 @@ WHAT = {
     "device_step": "`data.decode=device` crop stage at B = 256 photos (224 px): operator calls per batch, per-image "
                    "(the earlier CUDA path's ops) / batched (Pillow's weights in two matmuls); on this CPU the "
                    "batched stage computes 27x longer (dense products), on a GPU it is off the training thread",
+    "caption": "training step, CLIP + 2 x caption / CLIP alone on the same tiny CoCa (the decoder's cost; batch 64, "
+               "16 tokens, 49,408-way logits); open_clip's CoCaLoss step beside it in extra, ours 0.55x its time",
     "naflex": "NaFlex training patches/s at 64 patches / at 4, the same 1,024-patch budget per step (tiny config; "
               "no anchor: open_clip's NaFlex is unreleased); samples/s per length in docs/naflex.md",
 }
-ORDER = ["train", "train_global_clip", "train_objective_cost", "loader", "loader_photo", "loader_photo_limit", "loader_photo_device_cpu", "device_step", "loss", "regions", "eval", "worker_start", "embed", "teacher_embed", "filter"]
+ORDER = ["train", "train_global_clip", "train_objective_cost", "caption", "loader", "loader_photo", "loader_photo_limit", "loader_photo_device_cpu", "device_step", "loss", "regions", "eval", "worker_start", "embed", "teacher_embed", "filter"]
 
 
 def fmt(x: float) -> str:
