@@ -250,3 +250,12 @@ def test_captioning_refuses_a_model_without_a_decoder(demo_run, openmoji):
     r = run_main("mmpretrain.eval", "--model", str(demo_run), "--dataset", str(openmoji / "test"), "--task",
                  "captioning", "--num-beams", "0")
     assert r.returncode == 2 and "--num-beams must be >= 1" in r.stderr
+
+
+@pytest.mark.skipif(not JAVA, reason="PTBTokenizer, COCO's tokenizer, is Java")
+def test_without_java_the_python_tokenizer_gives_the_same_scores(monkeypatch):
+    import mmpretrain.eval.captioning as cap
+
+    monkeypatch.setattr(cap.shutil, "which", lambda name: None)  # a machine without java
+    assert cap.default_tokenizer() == "python"
+    assert caption_scores(REFS, CANDS) == pytest.approx(caption_scores(REFS, CANDS, "ptb"), abs=1e-12)
