@@ -14,8 +14,9 @@ import io
 from pathlib import Path
 
 import numpy as np
-import webdataset as wds
 from PIL import Image
+
+from data_tools.writers import write_wds_split
 
 DENSE = "dense"
 # what a dense set writes under its root (check_demo_out removes exactly these on --overwrite)
@@ -41,11 +42,7 @@ def write_dense(root: Path, splits: dict[str, list[dict]], classnames: list[str]
     """``root/{train,test}/0.tar`` (+ ``nshards.txt``) from each split's samples and ``root/classnames.txt``;
     returns the samples per split."""
     for name, samples in splits.items():
-        (root / name).mkdir(parents=True, exist_ok=True)
-        with wds.TarWriter(str(root / name / "0.tar"), encoder=False) as w:
-            for s in samples:
-                w.write(s)
-        (root / name / "nshards.txt").write_text("1\n")
+        write_wds_split(root / name, samples)
     (root / "classnames.txt").write_text("\n".join(classnames) + "\n", encoding="utf-8")
     return {name: len(samples) for name, samples in splits.items()}
 

@@ -1,7 +1,7 @@
 """What the builders share when they write: the error a build that cannot start raises, the files an
 earlier build wrote (the only ones an ``--overwrite`` removes), clip_benchmark's offline ``wds`` layout,
 and a built split's labelled samples in that layout. ``build`` (the command), ``demo`` (the packaged
-demo sources), ``noto`` and ``negatives`` import it; it imports none of them."""
+demo sources), ``dense``, ``noto`` and ``negatives`` import it; it imports none of them."""
 
 from __future__ import annotations
 
@@ -25,10 +25,16 @@ def write_clip_benchmark_wds(root: Path, labelled: list[dict], classnames: list[
     (root / "test").mkdir(parents=True, exist_ok=True)
     (root / "classnames.txt").write_text("\n".join(classnames) + "\n", encoding="utf-8")
     (root / "zeroshot_classification_templates.txt").write_text("\n".join(templates) + "\n", encoding="utf-8")
-    with wds.TarWriter(str(root / "test" / "0.tar"), encoder=False) as w:
-        for s in labelled:
+    write_wds_split(root / "test", labelled)
+
+
+def write_wds_split(folder: Path, samples: list[dict]) -> None:
+    """One split of clip_benchmark's ``wds`` layout: ``folder/0.tar`` holding ``samples`` and ``nshards.txt``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with wds.TarWriter(str(folder / "0.tar"), encoder=False) as w:
+        for s in samples:
             w.write(s)
-    (root / "test" / "nshards.txt").write_text("1\n")
+    (folder / "nshards.txt").write_text("1\n")
 
 
 def labelled_samples(folder: Path, image_format: str) -> list[dict]:

@@ -111,15 +111,16 @@ def run(model, preprocess, tokenizer, ds: EvalDataset, ctx: EvalContext) -> dict
     if not pairs:
         raise ValueError(f"{ds.name}: no reference captions to score against: its samples need a txt member "
                          "(one caption per line)")
+    references, candidates = [r for _, r in pairs], [g for g, _ in pairs]
     kind = default_tokenizer()
     try:
-        metrics = caption_scores([r for _, r in pairs], [g for g, _ in pairs], kind)
+        metrics = caption_scores(references, candidates, kind)
     except OSError as e:  # PTBTokenizer writes a temporary file into pycocoevalcap's folder, then runs java
         if ctx.rank == 0:
             print(f"warning: {ds.name} captioning: PTBTokenizer failed ({e}); tokenising in Python instead",
                   file=sys.stderr)
         kind = "python"
-        metrics = caption_scores([r for _, r in pairs], [g for g, _ in pairs], kind)
+        metrics = caption_scores(references, candidates, kind)
     samples = [{"index": int(i), "caption": g, "references": r}
                for i, g, r in zip(order.tolist(), out["generated"], out["refs"])]
     return {"n": len(pairs), "metrics": metrics, "chance": {}, "tokenizer": kind,
