@@ -158,43 +158,66 @@ def supervise(groups: list[list[str]], worker_cmd, path: Path, work: Path, limit
               notes: list[str]) -> list[str]:
     """Runs each group's keys in a worker (``worker_cmd(keys)`` gives its command line) until every key has
     a result; a worker that dies mid-measurement gets that measurement recorded as failed (its stack) and
-    a fresh worker takes the rest. Returns the keys that failed."""
+    a fresh worker takes the rest. Returns the keys that failed.
+
+    The outer ``timeout`` signals this process only; the worker runs in its own session and goes with it.
+    One SIGTERM handler covers the whole run (a gap between workers with SIG_DFL would leave a worker
+    behind), SIGTERM is held back while a worker starts (so the handler always knows it), and the handler
+    does not wait() (the wait it interrupts may hold Popen's lock)."""
+    workers: list[subprocess.Popen] = []
+
+    def on_term(*_):
+        for proc in workers:
+            signal_group(proc, signal.SIGKILL)
+        raise SystemExit(124)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        return [k for group in groups for k in run_group(group, worker_cmd, path, work, limits, notes, workers)]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_group(group: list[str], worker_cmd, path: Path, work: Path, limits: dict[str, float],
+              notes: list[str], workers: list[subprocess.Popen]) -> list[str]:
     failed: list[str] = []
     current = work / "current.json"
-    for group in groups:
-        todo = list(group)
-        while todo:
-            current.unlink(missing_ok=True)
-            cmd = worker_cmd(todo)
-            budget = sum(limits[k] for k in todo) + 60
-            proc = subprocess.Popen(cmd, start_new_session=True)
-            # the outer `timeout` signals this process only: the worker's own session goes with it
-            signal.signal(signal.SIGTERM, lambda *_, p=proc: (kill_group(p), sys.exit(124)))
-            try:
-                rc = proc.wait(timeout=budget)
-            except subprocess.TimeoutExpired:
-                rc = None
-            kill_group(proc)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            result = json.loads(path.read_text())
-            done = [k for k in todo if lookup(result, k) is not None]
-            failed += [k for k in done if isinstance(lookup(result, k), dict) and "error" in lookup(result, k)]
-            todo = [k for k in todo if k not in done]
-            if not todo:
-                break
-            if rc == POISONED:
-                notes.append(f"a fresh process after {done[-1] if done else '?'} left the context unusable")
-                continue
-            running = json.loads(current.read_text())["key"] if current.exists() else todo[0]
-            stack = (work / "stacks" / f"{running}.txt")
-            lines = stack.read_text().splitlines() if stack.exists() else []
-            hung = any(line.startswith("Timeout (") for line in lines)
-            why = (f"hung: no result within its {limits[running]:.0f} s limit (watchdog; the stack below)" if hung
-                   else f"the worker process ended ({describe_exit(rc)}) during this measurement")
-            record_failure(path, running, why, lines[-40:], limits[running] if hung else None)
-            failed.append(running)
-            notes.append(f"{running}: {why.split(':')[0]}; a fresh process took the rest of its group")
-            todo = [k for k in todo if k != running]
+    todo = list(group)
+    while todo:
+        current.unlink(missing_ok=True)
+        cmd = worker_cmd(todo)
+        budget = sum(limits[k] for k in todo) + 60
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            workers[:] = [subprocess.Popen(cmd, start_new_session=True)]
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        proc = workers[0]
+        try:
+            rc = proc.wait(timeout=budget)
+        except subprocess.TimeoutExpired:
+            rc = None
+        kill_group(proc)
+        workers.clear()
+        result = json.loads(path.read_text())
+        done = [k for k in todo if lookup(result, k) is not None]
+        failed += [k for k in done if isinstance(lookup(result, k), dict) and "error" in lookup(result, k)]
+        todo = [k for k in todo if k not in done]
+        if not todo:
+            break
+        if rc == POISONED:
+            notes.append(f"a fresh process after {done[-1] if done else '?'} left the context unusable")
+            continue
+        key = json.loads(current.read_text())["key"] if current.exists() else todo[0]
+        stack = (work / "stacks" / f"{key}.txt")
+        lines = stack.read_text().splitlines() if stack.exists() else []
+        hung = any(line.startswith("Timeout (") for line in lines)
+        why = (f"hung: no result within its {limits[key]:.0f} s limit (watchdog; the stack below)" if hung
+               else f"the worker process ended ({describe_exit(rc)}) during this measurement")
+        record_failure(path, key, why, lines[-40:], limits[key] if hung else None)
+        failed.append(key)
+        notes.append(f"{key}: {why.split(':')[0]}; a fresh process took the rest of its group")
+        todo = [k for k in todo if k != key]
     return failed
 
 
@@ -217,10 +240,14 @@ def describe_exit(rc: int | None) -> str:
     return f"exit status {rc}"
 
 
-def kill_group(proc: subprocess.Popen) -> None:
-    """The worker and everything it started (loader workers, launches), whatever state it is in."""
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """The worker and everything it started (loader workers, launches), whatever state it is in."""
+    signal_group(proc, signal.SIGKILL)
     proc.wait()
