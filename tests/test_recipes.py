@@ -28,6 +28,8 @@ CASES = [
     ("sigmoid", {}), ("sigmoid", {"chunk_size": 5}), ("sigmoid", {"within_view_negatives": True}),
     ("soft_target", {}), ("soft_target", {"chunk_size": 5}), ("soft_target", {"space": "image_image"}),
     ("cwcl", {}), ("caption", {}), ("caption", {"pad_id": 3}), ("distill", {}), ("distill", {"chunk_size": 5}), ("global_clip", {}), ("align_uniform", {}), ("vrn", {}),
+    ("self_distill", {"out_dim": 61}), ("self_distill", {"out_dim": 61, "local_crops": 2}),
+    ("masked_prediction", {"out_dim": 61}), ("masked_prediction", {"out_dim": 61, "mask_ratio": 0.25}),
     ("regions", {"base": "clip", "scales": [2, 3], "bank_size": 24, "refresh_every": 1}),
     ("regions", {"base": "soft_target", "scales": [2], "bank_size": 24, "refresh_every": 1}),
 ]

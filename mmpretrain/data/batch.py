@@ -82,6 +82,8 @@ class Batch:
         "teacher's embeddings of the crop trained on and of the caption trained with (an ensemble's members side "
         "by side), with teacher_dims, each member's width; the stream replays the teacher's stored crops")
     teacher_text_embeddings: torch.Tensor | None = _row("teacher_text", need="teacher")
+    # self_distill's local crops, (B, n, h, w, 3) uint8, cut in the loader from the stored sample (decode.py)
+    local_images: torch.Tensor | None = _row("local")
     negative_tokens: torch.Tensor | None = _row(None)  # the tokenizer's, of each sample's negative ("" if none)
     negative_mask: torch.Tensor | None = _row(
         None, need="negatives", doc="negative_mask (B,), which samples have a hard-negative caption "

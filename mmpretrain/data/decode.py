@@ -173,8 +173,11 @@ class SampleDecoder:
 
     def __init__(self, transform, embeddings: str = "optional", draft_size: int | None = None,
                  embedding_dim: int | None = None, max_pixels: int | None = 64_000_000, captions: str = "sample",
-                 device_decode: bool = False, needs: Collection[str] = ()):
+                 device_decode: bool = False, needs: Collection[str] = (), local_crops=None):
         self.transform = transform
+        # self_distill: LocalCrops(count, size, scale), each cut from the stored image with its own seeded box
+        self.local = None if local_crops is None else ResizedCrop(local_crops.size, local_crops.scale)
+        self.local_count = 0 if local_crops is None else local_crops.count
         # objectives with hard_negatives: one of the sample's negative_captions per epoch (None: it has none)
         self.negatives = "negatives" in needs
         # objectives that distill from stored teacher rows: the crop is the teacher's, replayed (teacher.py)
@@ -191,6 +194,31 @@ class SampleDecoder:
     def __call__(self, raw: dict[str, Any], seed: int, epoch: int, anchor: bool = False) -> dict[str, Any]:
         """``anchor``: decode the image here even with ``data.decode=device`` (the first image of each
         batch, so that a batch always holds one image a device-undecodable slot can repeat)."""
+        item = self._decode(raw, seed, epoch, anchor)
+        if self.local is not None:
+            item["local"] = self._local_crops(raw, seed, epoch)
+        return item
+
+    def _local_crops(self, raw: dict[str, Any], seed: int, epoch: int) -> torch.Tensor:
+        """``(n, h, w, 3)`` uint8: the sample's local crops, crop ``i``'s box drawn from (seed, epoch, key, i), each
+        from the stored image opened anew (a JPEG decoded at the DCT reduction its box allows)."""
+        data = raw[next(e for e in IMAGE_EXTS if e in raw)]
+        crops = []
+        for i in range(self.local_count):
+            img = Image.open(io.BytesIO(data))
+            try:
+                crops.append(self.local(img, augmentation_seed(seed, epoch, f"{raw['__key__']}/local{i}"), self._check_pixels))
+            except Image.DecompressionBombError:
+                raise SkipSample("decompression_bomb") from None
+            except TruncatedJpeg:
+                raise SkipSample("truncated_jpeg") from None
+            except SkipSample:
+                raise
+            except Exception:
+                raise SkipSample("undecodable_image") from None
+        return torch.stack(crops)
+
+    def _decode(self, raw: dict[str, Any], seed: int, epoch: int, anchor: bool = False) -> dict[str, Any]:
         ext = next((e for e in IMAGE_EXTS if e in raw), None)
         if ext is None:
             raise SkipSample("missing_image")

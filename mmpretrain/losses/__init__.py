@@ -26,14 +26,17 @@ from mmpretrain.losses.global_clip import GlobalClipLoss
 from mmpretrain.losses.regions import RegionLoss
 from mmpretrain.losses.registry import OBJECTIVES
 from mmpretrain.losses.resa import ResaLoss
+from mmpretrain.losses.self_supervised import HeadSpec, LocalCrops, MaskedPredictionLoss, SelfDistillLoss
 from mmpretrain.losses.sigmoid import SigmoidLoss
 from mmpretrain.losses.soft_target import SoftTargetLoss
 from mmpretrain.losses.vrn import VrnLoss
 
 # every objective by its config name: the registry's, the wrapper around any one of them, resa (its
 # targets are of the whole batch's encodings, which a region's sub-batch does not carry: not wrappable) and
-# caption (per-token, of the decoder's logits: nothing of a region's features)
-LOSSES: dict[str, type[Objective]] = {**OBJECTIVES, "regions": RegionLoss, "resa": ResaLoss, "caption": CaptionLoss}
+# caption (per-token, of the decoder's logits: nothing of a region's features), and SigLIP 2's self-supervised
+# terms (per sample, of the teacher's views: none of a region's)
+LOSSES: dict[str, type[Objective]] = {**OBJECTIVES, "regions": RegionLoss, "resa": ResaLoss, "caption": CaptionLoss,
+                                      "self_distill": SelfDistillLoss, "masked_prediction": MaskedPredictionLoss}
 
 
 def _any_term(flag: str, default: bool = False) -> property:
@@ -73,6 +76,34 @@ class WeightedObjective(nn.Module):
         for t in self.terms:
             if hasattr(t, "for_decoder"):
                 t.for_decoder(context_length, vocab_size)
+        return self
+
+    @property
+    def ssl_heads(self) -> list[HeadSpec]:
+        """The DINO heads the self-supervised terms train (:mod:`mmpretrain.models.ssl`)."""
+        return [t.head for t in self.terms if isinstance(getattr(t, "head", None), HeadSpec)]
+
+    @property
+    def local_crops(self) -> LocalCrops | None:
+        """The local crops the loader cuts per sample (``self_distill``), or None."""
+        return next((t.local for t in self.terms if isinstance(getattr(t, "local", None), LocalCrops)), None)
+
+    def ssl_active(self, step: int) -> frozenset[str]:
+        """The self-supervised needs whose terms run at ``step`` (past their start)."""
+        return frozenset(n for t in self.terms if hasattr(t, "active") and t.active(step) for n in t.needs)
+
+    def for_schedule(self, total_steps: int) -> WeightedObjective:
+        """Every term's start step in a run of ``total_steps`` (``start_at`` as a share)."""
+        for t in self.terms:
+            if hasattr(t, "for_schedule"):
+                t.for_schedule(total_steps)
+        return self
+
+    def for_tower(self, num_patches: int) -> WeightedObjective:
+        """The image tower's patch count, for the terms that mask patches."""
+        for t in self.terms:
+            if hasattr(t, "for_tower"):
+                t.for_tower(num_patches)
         return self
 
     whole_batch = _any_term("whole_batch")
@@ -153,7 +184,7 @@ def validate_objective(terms: Sequence[dict]) -> WeightedObjective:
     return build_objective(stand_in)
 
 
-__all__ = ["LOSSES", "NEEDS", "AlignUniformLoss", "ClipLoss", "CwclLoss", "DistillLoss", "GlobalClipLoss", "Objective", "RegionLoss",
-           "ResaLoss", "SigmoidLoss",
+__all__ = ["LOSSES", "NEEDS", "AlignUniformLoss", "ClipLoss", "CwclLoss", "DistillLoss", "GlobalClipLoss", "MaskedPredictionLoss", "Objective",
+           "RegionLoss", "ResaLoss", "SelfDistillLoss", "SigmoidLoss",
            "SoftTargetLoss", "VrnLoss", "WeightedObjective", "build_objective", "is_term", "total_of",
            "validate_objective"]

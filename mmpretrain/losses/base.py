@@ -43,6 +43,12 @@ NEEDS: dict[str, str] = {
                        "average's image tower",
     "caption": "caption_logits (B, L-1, V) and caption_labels (B, L-1): the model's caption decoder (a CoCa arch) "
                "teacher-forced on the batch's caption tokens, from the model's forward (with caption=True)",
+    "self_distill": "student_local (B, n, K), the student's global head on each sample's n local crops (cut in the "
+                    "loader from the stored sample), from the model's forward, and teacher_global (B, K), the train.ema "
+                    "average's on the global view, from the training task (no gradient)",
+    "masked_prediction": "student_masked (B, M, K), the student's patch head at the M patches the mask token replaced, "
+                         "from the model's forward, and teacher_masked (B, M, K), the train.ema average's there on the "
+                         "unmasked view, from the training task (no gradient)",
     "dataset_size": "the constructor is given dataset_size (samples per epoch) unless its options set it",
     "index_size": "the constructor is given index_size, the number of distinct sample indices (the training "
                   "data's samples over every source, from sizes.json), for per-sample tables",

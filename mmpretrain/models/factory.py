@@ -32,6 +32,7 @@ from mmpretrain.models import (
     patch_dropout,
 )
 from mmpretrain.models.caption import caption_outputs, init_decoder, is_coca
+from mmpretrain.models.ssl import SelfSupervised, SslInputs, student_outputs
 from mmpretrain.models.text import encode_text_trimmed
 from mmpretrain.run_files import MODEL_WEIGHTS, RunFolder, checkpoint_clip_weights
 
@@ -203,6 +204,7 @@ class DualEncoder(nn.Module):
         # clamp here holds where that one cannot reach the weights the optimizer keeps (DeepSpeed's
         # fp32 master copy): a no-op for a scale within bounds, and the same gradient there
         self.max_log_scale = math.log(max_logit_scale) if max_logit_scale else None
+        self.ssl: SelfSupervised | None = None  # the self-supervised terms' heads (set by the trainer)
 
     def train(self, mode: bool = True) -> DualEncoder:
         super().train(mode)
@@ -219,6 +221,7 @@ class DualEncoder(nn.Module):
         encodings: bool = False,
         patch_keep: torch.Tensor | None = None,
         caption: bool = False,
+        ssl: SslInputs | None = None,
     ) -> dict[str, torch.Tensor]:
         """``images (B, 3, H, W)``, ``tokens (B, L)``, ``target_embeddings (B, E)``; ``negative_tokens (B, L)``
         (hard negatives) are encoded in the same text pass and returned as ``negative_text_features``;
@@ -227,7 +230,16 @@ class DualEncoder(nn.Module):
         image tower keeps (``model.patch_dropout``, :mod:`mmpretrain.models.patch_dropout`; None: all);
         ``caption``: also the caption decoder's next-token ``caption_logits (B, L-1, V)`` over the image
         tower's tokens, teacher-forced on ``tokens``, and their targets ``caption_labels = tokens[:, 1:]``
-        (a CoCa model: :func:`caption_outputs`)."""
+        (a CoCa model: :func:`caption_outputs`); ``ssl``: the student's outputs of ``self_distill`` /
+        ``masked_prediction`` too (:mod:`mmpretrain.models.ssl`; ``self.ssl`` holds their heads)."""
+        out = self._features(images, tokens, target_embeddings, negative_tokens, encodings, patch_keep, caption)
+        if ssl is not None:
+            out.update(student_outputs(self.clip.visual, self.ssl, images, ssl))
+        if self.ssl is not None and self.training:  # every head in the graph, at any step (SelfSupervised.zero)
+            out["image_features"] = out["image_features"] + self.ssl.zero()
+        return out
+
+    def _features(self, images, tokens, target_embeddings, negative_tokens, encodings, patch_keep, caption):
         if caption:
             with patch_dropout.dropping(self.clip.visual, patch_keep):
                 return self._logits(caption_outputs(self.clip, images, tokens))

@@ -57,6 +57,8 @@ def load_run_clip(run_dir: str | Path, device: str = "cpu", ema: bool = False) -
             if avg is None:
                 raise FileNotFoundError(f"{ckpt} holds no {EMA_WEIGHTS} (the run trained without train.ema)")
             for name, v in avg.items():
+                if not name.startswith("clip."):  # the self-supervised heads (models/ssl.py): not exported
+                    continue
                 key = name.removeprefix("clip.")
                 state[key] = v.reshape(state[key].shape) if key in state else v
         want = getattr(clip.visual, "positional_embedding", None)

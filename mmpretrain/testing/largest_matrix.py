@@ -20,6 +20,8 @@ from mmpretrain.losses.base import total_of
 # context (its logits cover CAPTION - 1 positions) and vocabulary
 DIM, EMB = 97, 53
 CAPTION, VOCAB = 7, 89
+# the self-supervised terms' heads' prototypes, the tower's patches (masked_prediction masks half)
+PROTOTYPES, PATCHES = 61, 16
 
 
 class _Peak(TorchDispatchMode):
@@ -48,6 +50,10 @@ def traced_peak(objective, batch: int, world_size: int, steps: int = 3, seed: in
     peak = _Peak()
     if hasattr(objective, "for_decoder"):  # the caption decoder's shape, as the trainer sets it
         objective.for_decoder(CAPTION, VOCAB)
+    if hasattr(objective, "for_tower"):  # the tower's patch count, as the trainer sets it
+        objective.for_tower(PATCHES)
+    local = objective.local_crops.count if getattr(objective, "local_crops", None) is not None else 1
+    masked = next((t.masked_count() for t in getattr(objective, "terms", []) if hasattr(t, "masked_count")), 1)
     with ExitStack() as stack:
         for name, module in list(sys.modules.items()):
             if name.startswith("mmpretrain.losses"):
@@ -59,6 +65,8 @@ def traced_peak(objective, batch: int, world_size: int, steps: int = 3, seed: in
                                                           lambda x, world_size: x + math.log(world_size)))
         # rank 0's broadcasts (regions' centroids) leave its tensors as they are
         stack.enter_context(mock.patch("torch.distributed.broadcast", lambda tensor, src=0, **kw: None))
+        # the self-supervised centres' sums over ranks: this rank's (its own rows and counts)
+        stack.enter_context(mock.patch("torch.distributed.all_reduce", lambda tensor, **kw: None))
         for step in range(steps):
             img = torch.randn(batch, DIM, generator=gen, requires_grad=True)
             txt = torch.randn(batch, DIM, generator=gen, requires_grad=True)
@@ -76,6 +84,10 @@ def traced_peak(objective, batch: int, world_size: int, steps: int = 3, seed: in
                 image_encodings=torch.randn(batch, EMB, generator=gen),
                 caption_logits=torch.randn(batch, CAPTION - 1, VOCAB, generator=gen, requires_grad=True),
                 caption_labels=torch.randint(0, VOCAB, (batch, CAPTION - 1), generator=gen),
+                student_local=torch.randn(batch, local, PROTOTYPES, generator=gen, requires_grad=True),
+                teacher_global=torch.randn(batch, PROTOTYPES, generator=gen),
+                student_masked=torch.randn(batch, masked, PROTOTYPES, generator=gen, requires_grad=True),
+                teacher_masked=torch.randn(batch, masked, PROTOTYPES, generator=gen),
                 step=step * 1000, epoch=step * 1000 + 1)
             with peak:
                 out = objective(**inputs)

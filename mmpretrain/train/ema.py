@@ -81,6 +81,13 @@ class EMA:
                   if n.startswith(prefix) and n != prefix + "proj"}
         return torch.func.functional_call(_PreProjection(model.clip.visual), params, (images,))
 
+    @torch.no_grad()
+    def call(self, wrapper: nn.Module, *args):
+        """``wrapper(*args)`` with the average in place of the trained parameters of ``wrapper.model`` (the
+        unwrapped dual encoder; its frozen ones are its own): the self-supervised terms' teacher."""
+        params = {"model." + n: s.to(p.dtype) for n, s, p in zip(self.names, self.shadow, self.params)}
+        return torch.func.functional_call(wrapper, params, args)
+
     @contextlib.contextmanager
     def swapped_in(self):
         """The averaged weights in the model for the block (evaluation), the trained ones back after."""

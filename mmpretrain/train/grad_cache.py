@@ -113,7 +113,8 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
     negative_tokens, encodings = neg.get("negative_tokens"), bool(neg.get("encodings"))
 
     def sub_neg(s):
-        return {k: v[s] if isinstance(v, torch.Tensor) else v for k, v in neg.items()}
+        return {k: v[s] if isinstance(v, torch.Tensor) else v.rows(s) if hasattr(v, "rows") else v
+                for k, v in neg.items()}
 
     if not micro_batch or micro_batch >= B:
         with acc.autocast():
@@ -145,9 +146,10 @@ def forward_backward(accelerator, model, objective, images, tokens=None, target_
         return _result(out, total, torch.cat(fi), torch.cat(ft), ok, feats["logit_scale"])
     if mode != "grad_cache":
         raise ValueError(f"train.micro_batch_mode={mode!r}: grad_cache or accumulate")
-    if neg.get("caption"):
-        raise ValueError("the caption objective with train.micro_batch_mode=grad_cache: its loss is per sample, "
-                         "with no batch term to cache; use train.micro_batch_mode=accumulate")
+    if neg.get("caption") or neg.get("ssl") is not None:
+        raise ValueError(f"the {'caption' if neg.get('caption') else 'self-supervised'} objective with "
+                         "train.micro_batch_mode=grad_cache: its loss is per sample, with no batch term to cache; use "
+                         "train.micro_batch_mode=accumulate")
     device = _first(images).device
     states, img, txt, negs, encs = [], [], [], [], []
     with torch.no_grad():

@@ -162,7 +162,7 @@ def build_loader(cfg: ExperimentConfig, data: Data, model, objective: WeightedOb
         transform,
         embeddings={"shards": "require", "online": "ignore", "none": "ignore"}[target_from],
         embedding_dim=embedding_dim, max_pixels=cfg.data.max_pixels, captions=cfg.data.captions,
-        device_decode=images.device_decode, needs=objective.needs,
+        device_decode=images.device_decode, needs=objective.needs, local_crops=objective.local_crops,
     )
     patch = naflex_patch(model.module.clip.visual) if cfg.data.naflex is not None else 0
     stream = TrainStream(data.plan, decoder, rank, start=position.state() if position is not None else None,

@@ -52,6 +52,7 @@ from mmpretrain.train.inputs import (
 from mmpretrain.train.layer_decay import layer_decay_note
 from mmpretrain.train.phases import PositionResize, check_phases, phase_at, phase_config, resolve_phases
 from mmpretrain.train.schedule import param_groups
+from mmpretrain.train.ssl_setup import attach_self_supervised
 from mmpretrain.train.state import Run, TrainState, numeric
 from mmpretrain.train.task import TrainingTask
 
@@ -152,6 +153,7 @@ def build_model(cfg: ExperimentConfig, objective: WeightedObjective, sharded: st
     if m.lora is not None:
         apply_lora_note(module, m, sharded)
     check_caption(cfg, objective, model_cfg, module)
+    attach_self_supervised(cfg, objective, module, sharded)
     if "image_encodings" in objective.needs and not factory.has_pre_projection(module.clip.visual):
         raise ConfigError(f"loss resa needs the image tower's output before its projection, which model.arch={m.arch}'s "
                           f"{type(module.clip.visual).__name__} does not expose (open_clip's ViT towers do)")
@@ -247,6 +249,7 @@ def setup(cfg: ExperimentConfig) -> Run:
                                     index_size=sum(sum(s.shard_counts) for s in sources))
     teacher_dims = attach_teachers_for(cfg, sources, objective)
     data = build_data(cfg, sources, world)  # the plan's shard records carry everything attached
+    objective.for_schedule(data.schedule.total_steps)  # start_at as a share of the run's steps
     if acc.is_main_process and (note := shard_sharing_note(data.plan)):
         print(f"note: {note}", file=sys.stderr)
     target_from = target_source(cfg, data.sources, objective)  # shards / online / none
@@ -312,7 +315,8 @@ def setup(cfg: ExperimentConfig) -> Run:
               log=JsonlLog(files.log, records) if acc.is_main_process else None, images=images, ema=ema,
               task=TrainingTask(objective, images, target_encoder, trims_text(model.module.clip),
                                 cfg.train.text_length_multiple, teacher_dims, ema,
-                                patch_dropout=PatchDraw.of(model.module.clip.visual, phase.patch_dropout, cfg.seed)),
+                                patch_dropout=PatchDraw.of(model.module.clip.visual, phase.patch_dropout, cfg.seed),
+                                seed=cfg.seed),
               phase=phase)
     if cfg.train.log_with:
         hparams = {k: str(v) if isinstance(v, (list, dict)) else v

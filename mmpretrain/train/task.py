@@ -15,10 +15,12 @@ from typing import Any
 import torch
 
 from mmpretrain.data.batch import Batch
+from mmpretrain.data.decode import DeviceNormalize
 from mmpretrain.data.image_input import ImageInput
 from mmpretrain.data.transfer import cut_on_device, to_device
 from mmpretrain.losses.base import NEEDS
 from mmpretrain.models.patch_dropout import PatchDraw
+from mmpretrain.models.ssl import SslInputs, Teacher, masked_patches
 from mmpretrain.models.text import padded_length
 
 
@@ -37,13 +39,14 @@ class StepInputs:
     context: dict[str, Any] = field(default_factory=dict)
     patch_keep: torch.Tensor | None = None
     caption: bool = False
+    ssl: SslInputs | None = None
 
     @property
     def model_kw(self) -> dict[str, Any]:
         """The model's keywords besides images, tokens and targets, those in use only: what ``forward_backward``
         hands the model (tensors sliced with its micro-batches)."""
         kw = {"negative_tokens": self.negative_tokens, "encodings": self.encodings, "patch_keep": self.patch_keep,
-              "caption": self.caption}
+              "caption": self.caption, "ssl": self.ssl}
         return {k: v for k, v in kw.items() if v is not None and v is not False}
 
 
@@ -62,6 +65,8 @@ class TrainingTask:
     teacher_dims: list[int] | None = None
     ema: Any = None
     patch_dropout: PatchDraw | None = None
+    seed: int = 0
+    _local_normalize: DeviceNormalize | None = field(default=None, repr=False)
 
     def __post_init__(self):
         unknown = sorted(set(self.objective.needs) - NEEDS.keys())
@@ -96,8 +101,36 @@ class TrainingTask:
         if self.patch_dropout is not None:  # drawn on the host from the sample's index: no device RNG, no sync
             keep = self.patch_dropout.keep(batch.sample_index, step)
             keep = to_device(keep, device)
+        ssl = self._self_supervised(batch, step, accelerator, model, images, context)
         return StepInputs(images, tokens, target, negative_tokens, encodings == "online", context, keep,
-                          "caption" in self.needs)
+                          "caption" in self.needs, ssl)
+
+    def _self_supervised(self, batch: Batch, step: int, accelerator, model, images, context) -> SslInputs | None:
+        """``self_distill`` / ``masked_prediction`` past their start: the student's local crops and mask (drawn on
+        the host from the sample's index), and the teacher's outputs (the ``train.ema`` average, no gradient)
+        into ``context``."""
+        active = self.objective.ssl_active(step) if hasattr(self.objective, "ssl_active") else frozenset()
+        if not active:
+            return None
+        device = accelerator.device
+        local = None
+        if "self_distill" in active:
+            crops = to_device(batch.local_images, device)  # (B, n, h, w, 3) uint8
+            if self._local_normalize is None:  # the model's normalisation, for (N, h, w, 3) crops
+                norm = self.images.normalize
+                self._local_normalize = DeviceNormalize(norm.mean.flatten().tolist(), norm.std.flatten().tolist(), True)
+            local = self._local_normalize(crops.flatten(0, 1))
+            if self.images.dtype is not None:
+                local = local.to(self.images.dtype)
+        index = None
+        if "masked_prediction" in active:
+            term = next(t for t in self.objective.terms if "masked_prediction" in t.needs)
+            index = to_device(masked_patches(batch.sample_index, self.seed, step, term.num_patches, term.masked_count()),
+                              device)
+        unwrapped = accelerator.unwrap_model(model)
+        with accelerator.autocast():
+            context.update(self.ema.call(Teacher(unwrapped), images, "self_distill" in active, index))
+        return SslInputs(local, 0 if local is None else batch.local_images.shape[1], index)
 
     def _tokens(self, batch: Batch, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The captions' tokens and, with ``negatives``, the negatives' (one text pass: both cut to the

@@ -128,7 +128,8 @@ def cell_config(variant: str, seed: int, batch: int, args, data: Path, run: Path
 HELDOUT_TASKS = ("zeroshot_classification", "linear_probe", "knn", "clustering")
 
 
-def final_eval(run: Path, data: Path, name: str, tasks: list[str], caption: bool = False) -> dict[str, float]:
+def final_eval(run: Path, data: Path, name: str, tasks: list[str], caption: bool = False,
+               dense_set: str | None = None) -> dict[str, float]:
     jobs = [("heldout", str(data), t) for t in tasks]
     if (data / "digits").is_dir() and "zeroshot_classification" in tasks:
         jobs.append(("digits", str(data / "digits"), "zeroshot_classification"))
@@ -137,6 +138,9 @@ def final_eval(run: Path, data: Path, name: str, tasks: list[str], caption: bool
     if (data / "noto").is_dir() and "zeroshot_classification" in tasks:  # the second drawing style
         jobs += [("cross_style", str(data / "noto"), "zeroshot_classification"),
                  ("cross_style_retrieval", str(data / "noto"), "zeroshot_retrieval")]
+    dense = Path(dense_set) if dense_set else data / "dense"
+    if dense.is_dir():  # the patch tokens' linear probe (per-patch labels: data_tools' dense sets)
+        jobs.append(("dense", str(dense), "dense_probe"))
     generation = []
     if caption:  # a CoCa cell: its captions of the held-out emoji (names of 1-4 words: no 4-token minimum)
         jobs.append(("captioning", str(data / "test"), "captioning"))
@@ -191,7 +195,7 @@ def train_cell(variant: str, seed: int, batch: int, args, data: Path, name: str,
     epochs = next((r["epoch"] for r in reversed(records) if "epoch" in r), None)  # passes over the training data
     return {"variant": variant, "seed": seed, "batch_size": batch, "steps": args.steps, "epochs": epochs,
             "train_seconds": round(seconds, 1), "curve": curve,
-            "metrics": final_eval(run, data, name, args.tasks, variant in CAPTION_VARIANTS),
+            "metrics": final_eval(run, data, name, args.tasks, variant in CAPTION_VARIANTS, getattr(args, "dense", None)),
             "geometry": geometry, "regions": regions_curve, "final_loss": final_loss, "tasks": args.tasks}
 
 
@@ -298,6 +302,8 @@ def main() -> int:
                    help=f"the model's input in px (default {INPUT_SIZE}), patches of a quarter of it: the same 16 tokens")
     p.add_argument("--tasks", nargs="+", choices=HELDOUT_TASKS, default=list(HELDOUT_TASKS),
                    help="final held-out evaluations (default: all four)")
+    p.add_argument("--dense", default=None, help="a dense set (data_tools' dense/: train/ and test/ with label maps) "
+                   "for the dense probe; default: the data's dense/ when it has one")
     p.add_argument("--out", default=str(ROOT / "bench_results/experiments"))
     p.add_argument("--work", default=str(ROOT / "runs/experiments"))
     args = p.parse_args()

@@ -66,6 +66,24 @@ COCA = {"arch": "mmpt-tiny-coca", "overrides": {**MODEL_OVERRIDES, "text_cfg": {
                                                "multimodal_cfg": {"context_length": 16}}}
 CAPTION_VARIANTS = ("coca_clip", "coca_caption")
 
+# SigLIP 2's self-supervised half (issue 66): sigmoid throughout; from 80 % of the steps SILC's self-distillation
+# (4 local crops of 16 px: 2 x 2 patches) and TIPS's masked prediction (weight 0.25, half the 16 patches masked)
+# against the train.ema average, a copy of the weights up to the start step, then an EMA of decay 0.99 (the
+# 110 steps left are ~1 time constant); DINO heads of 256 prototypes. ssl_sigmoid keeps the average too (never
+# evaluated: the cells score the trained weights), so the three differ in their loss terms only.
+SSL_HEAD = {"out_dim": 256, "hidden_dim": 256, "bottleneck_dim": 64, "start_at": 0.8}
+SSL_VARIANTS = ("ssl_sigmoid", "ssl_self_distill", "ssl_both")
+
+
+def siglip2(steps: int, distill: bool, masked: bool) -> dict:
+    loss = [{"name": "sigmoid"}]
+    if distill:
+        loss.append({"name": "self_distill", "options": {**SSL_HEAD, "local_crops": 4, "local_size": 16}})
+    if masked:
+        loss.append({"name": "masked_prediction", "weight": 0.25, "options": {**SSL_HEAD, "mask_ratio": 0.5}})
+    return {"loss": loss, "train": {"ema": {"decay": 0.99, "warmup_steps": int(0.8 * steps)}}}
+
+
 VARIANTS = {
     "clip": lambda steps: {"loss": [{"name": "clip"}]},
     "sigmoid": lambda steps: {"loss": [{"name": "sigmoid"}]},
@@ -107,6 +125,9 @@ VARIANTS = {
     "clip_lowres_rewarm_compute": lambda steps: lowres(round(steps / COMPUTE["lowres"]), rewarm=True),
     "coca_clip": lambda steps: {"loss": [{"name": "clip"}], "model": COCA},
     "coca_caption": lambda steps: {"loss": [{"name": "clip"}, {"name": "caption", "weight": 2.0}], "model": COCA},
+    "ssl_sigmoid": lambda steps: siglip2(steps, False, False),
+    "ssl_self_distill": lambda steps: siglip2(steps, True, False),
+    "ssl_both": lambda steps: siglip2(steps, True, True),
     "lit": lambda steps: {"loss": [{"name": "clip"}],
                           "model": {"arch": "mmpt-tiny-vit-minilm", "lock_text": True, "text_from_targets": True,
                                     "overrides": {k: v for k, v in MODEL_OVERRIDES.items() if k != "text_cfg"}}},
@@ -114,4 +135,5 @@ VARIANTS = {
 # the final evaluation's metrics kept in the JSON (every one the tasks give is kept; these are tabled)
 TABLE = ("heldout/acc1", "heldout/lp_acc1", "heldout/knn_acc1", "heldout/ari", "heldout/ari_preproj",
          "digits/acc1", "retrieval/image_retrieval_recall@5", "cross_style/acc1",
-         "cross_style_retrieval/image_retrieval_recall@5", "captioning/Bleu_4", "captioning/CIDEr")
+         "cross_style_retrieval/image_retrieval_recall@5", "captioning/Bleu_4", "captioning/CIDEr",
+         "dense/dense_miou", "dense/dense_patch_acc")
