@@ -79,6 +79,9 @@ def test_every_shipped_recipe_fits_and_says_its_batch(recipe):
     model_cfg = factory.resolve_model_cfg(cfg.model.arch, cfg.model.text_model, cfg.model.overrides)
     if is_coca(model_cfg):  # the caption decoder's logits, as the trainer counts them
         objective.for_decoder(*decoder_shape(model_cfg))
+    vision = model_cfg.get("vision_cfg", {})
+    if vision.get("patch_size"):  # masked_prediction's rows: the tower's patches, as the trainer sets them
+        objective.for_tower((vision["image_size"] // vision["patch_size"]) ** 2)
     fp32 = 4 * objective.largest_matrix(batch)
     assert fp32 <= GIB, f"{recipe.name}: {fp32 / GIB:.2f} GiB matrix at {ranks} x {batch}"
     if gpus:  # a GPU recipe states its per-GPU and global batch, and what keeps it in memory

@@ -224,6 +224,18 @@ def test_local_crops_are_cut_from_the_stored_sample_seeded(openmoji):
     bad = {**raw, ext: raw[ext][:40]}
     with pytest.raises(SkipSample):
         decoder(bad, seed=0, epoch=0)
+    # a photo JPEG: one decode, at the reduction the smallest box allows, for every crop; each close to its own
+    # decode (the DCT-reduced pixels differ by rounding)
+    from mmpretrain.testing.photos import make_jpegs
+
+    key, data = make_jpegs(1, short_side=(480, 480))[0]
+    photo = {"__key__": key, "jpg": data, "txt": b"a photo"}
+    big = SampleDecoder(ResizedCrop(224), local_crops=LocalCrops(4, 96, (0.05, 0.4)))
+    crops = big(photo, seed=0, epoch=0)["local"]
+    ref = ResizedCrop(96, (0.05, 0.4))
+    for i in range(4):
+        want = ref(Image.open(io.BytesIO(data)), augmentation_seed(0, 0, f"{key}/local{i}"))
+        assert (crops[i].float() - want.float()).abs().mean() < 6, i
 
 
 def _state(run, step):

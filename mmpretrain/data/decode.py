@@ -200,23 +200,24 @@ class SampleDecoder:
         return item
 
     def _local_crops(self, raw: dict[str, Any], seed: int, epoch: int) -> torch.Tensor:
-        """``(n, h, w, 3)`` uint8: the sample's local crops, crop ``i``'s box drawn from (seed, epoch, key, i), each
-        from the stored image opened anew (a JPEG decoded at the DCT reduction its box allows)."""
+        """``(n, h, w, 3)`` uint8: the sample's local crops, crop ``i``'s box drawn from (seed, epoch, key, i), all
+        from one decode of the stored image (a JPEG at the DCT reduction its smallest box allows)."""
         data = raw[next(e for e in IMAGE_EXTS if e in raw)]
-        crops = []
-        for i in range(self.local_count):
+        try:
             img = Image.open(io.BytesIO(data))
-            try:
-                crops.append(self.local(img, augmentation_seed(seed, epoch, f"{raw['__key__']}/local{i}"), self._check_pixels))
-            except Image.DecompressionBombError:
-                raise SkipSample("decompression_bomb") from None
-            except TruncatedJpeg:
-                raise SkipSample("truncated_jpeg") from None
-            except SkipSample:
-                raise
-            except Exception:
-                raise SkipSample("undecodable_image") from None
-        return torch.stack(crops)
+            boxes = [self.local.box(img, augmentation_seed(seed, epoch, f"{raw['__key__']}/local{i}"))
+                     for i in range(self.local_count)]
+            smallest = min(boxes, key=lambda b: self.local.reduction(img, b))
+            decoded, s = self.local.decode(img, smallest, self._check_pixels)
+            return torch.stack([self.local.resize(decoded, b, s) for b in boxes])
+        except Image.DecompressionBombError:
+            raise SkipSample("decompression_bomb") from None
+        except TruncatedJpeg:
+            raise SkipSample("truncated_jpeg") from None
+        except SkipSample:
+            raise
+        except Exception:
+            raise SkipSample("undecodable_image") from None
 
     def _decode(self, raw: dict[str, Any], seed: int, epoch: int, anchor: bool = False) -> dict[str, Any]:
         ext = next((e for e in IMAGE_EXTS if e in raw), None)

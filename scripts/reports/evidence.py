@@ -39,7 +39,7 @@ LABELS = {"heldout/acc1": "zero-shot acc1", "heldout/lp_acc1": "linear probe", "
           "heldout/ari": "ARI", "heldout/ari_preproj": "ARI pre-proj.", "digits/acc1": "digits acc1 (OOD)",
           "retrieval/image_retrieval_recall@5": "image R@5", "cross_style/acc1": "Noto acc1 (cross-style)",
           "cross_style_retrieval/image_retrieval_recall@5": "Noto image R@5", "captioning/Bleu_4": "BLEU-4",
-          "captioning/CIDEr": "CIDEr"}
+          "captioning/CIDEr": "CIDEr", "dense/dense_miou": "dense mIoU", "dense/dense_patch_acc": "dense patch acc"}
 
 
 def cell_value(cell: dict, source: str, key: str) -> float | None:
