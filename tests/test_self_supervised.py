@@ -260,6 +260,7 @@ def test_a_run_starts_the_terms_resumes_bit_for_bit_on_either_side_and_exports(o
     sd = {x["step"]: x["self_distill_unweighted"] for x in records if "self_distill_unweighted" in x}
     mp = {x["step"]: x["masked_prediction_unweighted"] for x in records if "masked_prediction_unweighted" in x}
     assert all(sd[s] == 0 and mp[s] == 0 for s in range(1, 6)) and all(sd[s] > 0 and mp[s] > 0 for s in range(6, 11))
+    assert "note: self_distill at step 5, masked_prediction at step 5 of 10 (start_at)" in r.stderr
     w10, a10, o10 = _state(run, 10)
     assert any(k.startswith("ssl.heads.global.") for k in a10) and "ssl.mask_token" in a10  # averaged with the towers
     assert o10["terms.1.centre"].abs().sum() > 0 and o10["terms.2.centre"].abs().sum() > 0
@@ -286,6 +287,8 @@ def test_a_run_starts_the_terms_resumes_bit_for_bit_on_either_side_and_exports(o
      "local_size=12 is not a whole number of the tower's 8-pixel patches: use 8"),
     (["loss=[{name: sigmoid}, {name: self_distill, options: {start_at: 0.8, lcal_crops: 2}}]"],
      "bad options for objective 'self_distill'"),
+    (["loss=[{name: sigmoid}, {name: self_distill, options: {start_at: 5}}]"],
+     "options.start_at=5 starts it at step 5, past the run's 2 steps, so it would never run"),
 ])
 def test_refusals_name_the_setting(openmoji, tmp_path, overrides, says):
     r = run_main("mmpretrain.train", "--config", str(CONFIG), f"data.train={openmoji / 'train'}",

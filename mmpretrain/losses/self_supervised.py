@@ -94,6 +94,10 @@ class SelfSupervisedTerm(Objective):
         """The start step of a run of ``total_steps`` optimizer steps (``start_at`` as a share)."""
         if isinstance(self.start_at, float):
             self.start_step = math.floor(self.start_at * total_steps)
+        if self.start_step >= total_steps:
+            raise ValueError(f"loss {self.name}: options.start_at={self.start_at} starts it at step {self.start_step}, "
+                             f"past the run's {total_steps} steps, so it would never run: give a share below 1 (0.8) "
+                             "or an earlier step")
         return self
 
     def active(self, step: int) -> bool:

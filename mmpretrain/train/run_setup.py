@@ -249,7 +249,10 @@ def setup(cfg: ExperimentConfig) -> Run:
                                     index_size=sum(sum(s.shard_counts) for s in sources))
     teacher_dims = attach_teachers_for(cfg, sources, objective)
     data = build_data(cfg, sources, world)  # the plan's shard records carry everything attached
-    objective.for_schedule(data.schedule.total_steps)  # start_at as a share of the run's steps
+    try:
+        objective.for_schedule(data.schedule.total_steps)  # start_at as a share of the run's steps
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if acc.is_main_process and (note := shard_sharing_note(data.plan)):
         print(f"note: {note}", file=sys.stderr)
     target_from = target_source(cfg, data.sources, objective)  # shards / online / none
@@ -301,6 +304,8 @@ def setup(cfg: ExperimentConfig) -> Run:
         print(f"note: {label} builds at most {largest:,} elements per matrix on a rank "
               f"({largest * 4 / 2**20:,.1f} MiB in fp32) at {data.schedule.batch_size} x {world} samples", file=sys.stderr)
         write_run_files(files, cfg, data, model, target_from, world, records, largest, phases)
+        if starts := [f"{t.name} at step {t.start_step}" for t in objective.terms if hasattr(t, "start_step")]:
+            print(f"note: {', '.join(starts)} of {data.schedule.total_steps} (start_at)", file=sys.stderr)
         if cfg.train.phases:
             done = f" ({', '.join(resize.done)}, as {ckpt.name} loaded)" if resize is not None and resize.done else ""
             print(f"note: {phase.describe()}{done}", file=sys.stderr)

@@ -152,7 +152,7 @@ def main() -> int:
 
     rows = [(k, f"{1e3 * med[k]:.1f}", f"{1e3 * min(v):.1f}-{1e3 * max(v):.1f}", f"{args.batch / med[k]:.0f}")
             for k, v in times.items()]
-    print(table(rows, ("step (grid's tiny ViT, batch %d, fp32, this CPU)" % args.batch, "ms/step", "spread",
+    print(table(rows, (f"step (grid's tiny ViT, batch {args.batch}, fp32, this CPU)", "ms/step", "spread",
                        "samples/s")))
     print(f"\nover ours sigmoid: + self_distill {median(sd_runs):.2f}x (runs {', '.join(f'{r:.2f}' for r in sd_runs)}), "
           f"+ both {ratio:.2f}x (runs {', '.join(f'{r:.2f}' for r in both_runs)}); ours sigmoid / open_clip's: "
