@@ -322,3 +322,55 @@ def test_two_processes_under_ddp_train_the_heads(openmoji, tmp_path):
     assert records[-1]["self_distill_unweighted"] > 0
     w2, w8 = (load_file(run / f"checkpoints/step_{s:08d}/model.safetensors") for s in (2, 8))
     assert not torch.equal(w2["ssl.heads.global.prototypes"], w8["ssl.heads.global.prototypes"])
+
+
+def test_accumulated_micro_batches_equal_the_whole_batch():
+    """train.micro_batch_mode=accumulate: each micro-batch its rows of the local crops, mask and teacher outputs;
+    the gradients and the centres equal the whole batch's (the terms alone: a contrastive term's negatives
+    are the micro-batch's in this mode)."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from mmpretrain.models.ssl import SelfSupervised, SslInputs
+    from mmpretrain.train.grad_cache import forward_backward
+
+    torch.manual_seed(0)
+    factory.register_packaged_configs()
+    cfg = factory.with_logit_init(factory.resolve_model_cfg("mmpt-tiny-vit", overrides={
+        "embed_dim": 32, "vision_cfg": {"width": 64, "layers": 1, "head_width": 32},
+        "text_cfg": {"width": 32, "layers": 1, "heads": 2}}), 2.3, -10.0)
+    model = factory.DualEncoder(factory.instantiate(cfg, load_text_weights=False)).double()
+    terms = [{"name": "self_distill", "options": {"out_dim": 16, "hidden_dim": 32,
+                                                                          "bottleneck_dim": 8, "start_at": 0,
+                                                                          "local_crops": 2, "local_size": 16}},
+             {"name": "masked_prediction", "weight": 0.25, "options": {"out_dim": 16, "hidden_dim": 32,
+                                                                        "bottleneck_dim": 8, "start_at": 0}}]
+    g = torch.Generator().manual_seed(1)
+    images = torch.randn(8, 3, 32, 32, generator=g, dtype=torch.float64)
+    tokens = torch.randint(1, 400, (8, 12), generator=g)
+    ssl = SslInputs(torch.randn(16, 3, 16, 16, generator=g, dtype=torch.float64), 2,
+                    masked_patches(torch.arange(8), 0, 0, 16, 8))
+    context = {"step": 0, "teacher_global": torch.randn(8, 16, generator=g, dtype=torch.float64),
+               "teacher_masked": torch.randn(8, 8, 16, generator=g, dtype=torch.float64)}
+    acc = SimpleNamespace(autocast=nullcontext, backward=lambda x: x.backward(), no_sync=lambda m: nullcontext())
+    results = []
+    for micro in (None, 4):
+        objective = build_objective(terms).double().for_tower(16)
+        model.ssl = None
+        torch.manual_seed(2)
+        model.ssl = SelfSupervised(model.clip.visual, objective.ssl_heads).double()
+        model.zero_grad(set_to_none=True)
+        res = forward_backward(acc, model, objective, images, tokens, micro_batch=micro, mode="accumulate",
+                               context=context, ssl=ssl)
+        objective.commit_step()
+        results.append((res.loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                        [t.centre.clone() for t in objective.terms]))
+    (loss_a, grads_a, centres_a), (loss_b, grads_b, centres_b) = results
+    assert loss_a.item() > 0 and "ssl.heads.patch.prototypes" in grads_a and "ssl.mask_token" in grads_a
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-10, atol=1e-12)
+    assert grads_a.keys() == grads_b.keys()
+    for n in grads_a:
+        atol = 1e-6 if n.endswith("positional_embedding") else 1e-11  # the table's resize runs in fp32
+        assert torch.allclose(grads_b[n], grads_a[n], rtol=1e-8, atol=atol), (n, (grads_b[n] - grads_a[n]).abs().max())
+    for a, b in zip(centres_a, centres_b):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-14)
