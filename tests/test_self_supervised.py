@@ -287,6 +287,7 @@ def test_a_run_starts_the_terms_resumes_bit_for_bit_on_either_side_and_exports(o
      "local_size=12 is not a whole number of the tower's 8-pixel patches: use 8"),
     (["loss=[{name: sigmoid}, {name: self_distill, options: {start_at: 0.8, lcal_crops: 2}}]"],
      "bad options for objective 'self_distill'"),
+    (["loss=[{name: self_distill}]"], "trains beside a contrastive term, as SigLIP 2 does: add {name: sigmoid}"),
     (["loss=[{name: sigmoid}, {name: self_distill, options: {start_at: 5}}]"],
      "options.start_at=5 starts it at step 5, past the run's 2 steps, so it would never run"),
 ])

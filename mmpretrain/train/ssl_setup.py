@@ -16,6 +16,9 @@ def attach_self_supervised(cfg: ExperimentConfig, objective: WeightedObjective, 
     if not specs:
         return
     names = " and ".join(n for n in objective.names if n in ("self_distill", "masked_prediction"))
+    if set(objective.names) <= {"self_distill", "masked_prediction"}:
+        raise ConfigError(f"loss {names} trains beside a contrastive term, as SigLIP 2 does: add {{name: sigmoid}} (or "
+                          "clip) to loss")
     visual = module.clip.visual
     if not can_drop(visual) or cfg.data.naflex is not None:
         raise ConfigError(f"loss {names} runs an open_clip ViT's patch tokens, which model.arch={cfg.model.arch}'s "
