@@ -75,13 +75,15 @@ SSL_HEAD = {"out_dim": 256, "hidden_dim": 256, "bottleneck_dim": 64, "start_at":
 SSL_VARIANTS = ("ssl_sigmoid", "ssl_self_distill", "ssl_both")
 
 
-def siglip2(steps: int, distill: bool, masked: bool) -> dict:
+def siglip2(steps: int, distill: bool, masked: bool, start: float = 0.8) -> dict:
+    """``start``: the terms' start_at (``ssl_both_from0``: the whole run, the average an EMA from the first step)."""
+    head = {**SSL_HEAD, "start_at": start}
     loss = [{"name": "sigmoid"}]
     if distill:
-        loss.append({"name": "self_distill", "options": {**SSL_HEAD, "local_crops": 4, "local_size": 16}})
+        loss.append({"name": "self_distill", "options": {**head, "local_crops": 4, "local_size": 16}})
     if masked:
-        loss.append({"name": "masked_prediction", "weight": 0.25, "options": {**SSL_HEAD, "mask_ratio": 0.5}})
-    return {"loss": loss, "train": {"ema": {"decay": 0.99, "warmup_steps": int(0.8 * steps)}}}
+        loss.append({"name": "masked_prediction", "weight": 0.25, "options": {**head, "mask_ratio": 0.5}})
+    return {"loss": loss, "train": {"ema": {"decay": 0.99, "warmup_steps": int(start * steps)}}}
 
 
 VARIANTS = {
@@ -128,6 +130,8 @@ VARIANTS = {
     "ssl_sigmoid": lambda steps: siglip2(steps, False, False),
     "ssl_self_distill": lambda steps: siglip2(steps, True, False),
     "ssl_both": lambda steps: siglip2(steps, True, True),
+    # past 80 % the cosine schedule is under 10 % of its peak rate: the same terms over the whole run
+    "ssl_both_from0": lambda steps: siglip2(steps, True, True, start=0.0),
     "lit": lambda steps: {"loss": [{"name": "clip"}],
                           "model": {"arch": "mmpt-tiny-vit-minilm", "lock_text": True, "text_from_targets": True,
                                     "overrides": {k: v for k, v in MODEL_OVERRIDES.items() if k != "text_cfg"}}},

@@ -47,10 +47,13 @@ WHAT = {
                    "batched stage computes 27x longer (dense products), on a GPU it is off the training thread",
     "caption": "training step, CLIP + 2 x caption / CLIP alone on the same tiny CoCa (the decoder's cost; batch 64, "
                "16 tokens, 49,408-way logits); open_clip's CoCaLoss step beside it in extra, ours 0.55x its time",
+    "ssl": "training step past the start, sigmoid + `self_distill` + `masked_prediction` / sigmoid alone (the grid's "
+           "tiny ViT, batch 64: 4 local crops of 16 px, half the patches masked, the teacher's forward); + `self_distill` "
+           "alone 2.11x; counted on ViT-B-16 (the CC3M recipe's terms) 3.48x the FLOPs; our sigmoid step 1.01x open_clip's",
     "naflex": "NaFlex training patches/s at 64 patches / at 4, the same 1,024-patch budget per step (tiny config; "
               "no anchor: open_clip's NaFlex is unreleased); samples/s per length in docs/naflex.md",
 }
-ORDER = ["train", "train_global_clip", "train_objective_cost", "caption", "loader", "loader_photo", "loader_photo_limit", "loader_photo_device_cpu", "device_step", "loss", "regions", "eval", "worker_start", "embed", "teacher_embed", "filter"]
+ORDER = ["train", "train_global_clip", "train_objective_cost", "caption", "ssl", "loader", "loader_photo", "loader_photo_limit", "loader_photo_device_cpu", "device_step", "loss", "regions", "eval", "worker_start", "embed", "teacher_embed", "filter"]
 
 
 def fmt(x: float) -> str:
