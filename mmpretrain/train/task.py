@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from mmpretrain.config import ConfigError
 from mmpretrain.data.batch import Batch
 from mmpretrain.data.decode import DeviceNormalize
 from mmpretrain.data.image_input import ImageInput
@@ -72,6 +73,15 @@ class TrainingTask:
         unknown = sorted(set(self.objective.needs) - NEEDS.keys())
         if unknown:
             raise ValueError(f"the objective needs {unknown}, which nothing provides; known needs: {sorted(NEEDS)}")
+        if "self_distill" not in self.objective.needs:
+            return
+        norm = self.images.normalize
+        if norm is None:
+            raise ConfigError("loss self_distill normalises its local crops as the model's images are, on the device, "
+                              "which this data.aug_cfg's transform (normalised in the loader) does not offer: keep "
+                              "open_clip's own augmentation (drop use_timm)")
+        # the model's normalisation for the (N, h, w, 3) local crops, read while the statistics are on the host
+        self._local_normalize = DeviceNormalize(norm.mean.cpu().flatten().tolist(), norm.std.cpu().flatten().tolist(), True)
 
     @property
     def needs(self) -> frozenset[str]:
@@ -116,9 +126,6 @@ class TrainingTask:
         local = None
         if "self_distill" in active:
             crops = to_device(batch.local_images, device)  # (B, n, h, w, 3) uint8
-            if self._local_normalize is None:  # the model's normalisation, for (N, h, w, 3) crops
-                norm = self.images.normalize
-                self._local_normalize = DeviceNormalize(norm.mean.flatten().tolist(), norm.std.flatten().tolist(), True)
             local = self._local_normalize(crops.flatten(0, 1))
             if self.images.dtype is not None:
                 local = local.to(self.images.dtype)
