@@ -243,7 +243,7 @@ def _state(run, step):
     return load_file(ckpt / "model.safetensors"), load_file(ckpt / "ema.safetensors"), load_file(ckpt / "objective.safetensors")
 
 
-SHORT_SSL = ["train.steps=10", "train.epochs=null", "optim.warmup_steps=2", "train.save_every=2", "train.keep_last=10",
+SHORT_SSL = ["model.arch=mmpt-tiny-vit", "train.steps=10", "train.epochs=null", "optim.warmup_steps=2", "train.save_every=2", "train.keep_last=10",
              "model.overrides={embed_dim: 64, vision_cfg: {width: 64, layers: 2, head_width: 32}}",
              "train.ema={decay: 0.9, warmup_steps: 5}", "data.num_workers=1",
              "loss=[{name: sigmoid}, {name: self_distill, options: {start_at: 5, out_dim: 32, hidden_dim: 64, "
@@ -375,3 +375,15 @@ def test_accumulated_micro_batches_equal_the_whole_batch():
         assert torch.allclose(grads_b[n], grads_a[n], rtol=1e-8, atol=atol), (n, (grads_b[n] - grads_a[n]).abs().max())
     for a, b in zip(centres_a, centres_b):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-14)
+
+
+def test_the_shipped_tiny_config_trains_sigmoid_caption_and_both_terms(openmoji, tmp_path):
+    """configs/tiny/siglip2.yaml as shipped (SigLIP 2's loss set on the tiny CoCa: the terms read the
+    transformer's patch tokens under the attentional pooler), its terms from 80 % of a short run."""
+    run = tmp_path / "run"
+    r = train(openmoji / "train", run, "train.steps=5", "train.log_every=1", "data.num_workers=1",
+              "train.ema={decay: 0.9, warmup_steps: 4}", config=CONFIG)
+    assert r.returncode == 0, r.stderr[-3000:]
+    last = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()][-1]
+    assert last["step"] == 5 and all(last[f"{k}_unweighted"] > 0 for k in
+                                     ("sigmoid", "caption", "self_distill", "masked_prediction"))
