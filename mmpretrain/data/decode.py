@@ -14,6 +14,7 @@ import math
 import random
 import warnings
 from collections.abc import Collection
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -157,6 +158,24 @@ def augmentation_seed(seed: int, epoch: int, key: str) -> int:
     return int.from_bytes(h, "little") & (2**63 - 1)
 
 
+@contextmanager
+def bad_image_skips():
+    """An image that cannot be decoded as a counted skip (decompression_bomb, truncated_jpeg,
+    undecodable_image), never a crash; Pillow's bomb warning silenced (max_pixels is the cap that counts)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            yield
+    except Image.DecompressionBombError:
+        raise SkipSample("decompression_bomb") from None
+    except TruncatedJpeg:
+        raise SkipSample("truncated_jpeg") from None
+    except SkipSample:
+        raise
+    except Exception:
+        raise SkipSample("undecodable_image") from None
+
+
 class SampleDecoder:
     """Raw sample -> dict(image tensor, caption, key, emb?, label?); raises :class:`SkipSample`.
 
@@ -203,21 +222,13 @@ class SampleDecoder:
         """``(n, h, w, 3)`` uint8: the sample's local crops, crop ``i``'s box drawn from (seed, epoch, key, i), all
         from one decode of the stored image (a JPEG at the DCT reduction its smallest box allows)."""
         data = raw[next(e for e in IMAGE_EXTS if e in raw)]
-        try:
+        with bad_image_skips():
             img = Image.open(io.BytesIO(data))
             boxes = [self.local.box(img, augmentation_seed(seed, epoch, f"{raw['__key__']}/local{i}"))
                      for i in range(self.local_count)]
             smallest = min(boxes, key=lambda b: self.local.reduction(img, b))
             decoded, s = self.local.decode(img, smallest, self._check_pixels)
             return torch.stack([self.local.resize(decoded, b, s) for b in boxes])
-        except Image.DecompressionBombError:
-            raise SkipSample("decompression_bomb") from None
-        except TruncatedJpeg:
-            raise SkipSample("truncated_jpeg") from None
-        except SkipSample:
-            raise
-        except Exception:
-            raise SkipSample("undecodable_image") from None
 
     def _decode(self, raw: dict[str, Any], seed: int, epoch: int, anchor: bool = False) -> dict[str, Any]:
         ext = next((e for e in IMAGE_EXTS if e in raw), None)
@@ -271,10 +282,8 @@ class SampleDecoder:
                     item = self._item(raw, caption, emb, None)  # no pixels: the device makes them
                     item.update(jpeg=raw[ext], box=box, **(teacher[1] if teacher else {}))
                     return item
-        try:
-            with warnings.catch_warnings():  # Pillow's bomb warning: max_pixels below is the cap that counts
-                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                img = Image.open(io.BytesIO(raw[ext]))
+        with bad_image_skips():
+            img = Image.open(io.BytesIO(raw[ext]))
             if teacher is not None:  # the teacher's stored crop of this epoch, replayed
                 image = self.transform.apply(img, self._replayed(teacher, img.width, img.height), self._check_pixels)
                 return {**self._item(raw, caption, emb, image), **teacher[1]}
@@ -288,14 +297,6 @@ class SampleDecoder:
             if frame is not None:
                 check_tail(img, height, width, reduction)
             img = img.convert("RGB")
-        except Image.DecompressionBombError:
-            raise SkipSample("decompression_bomb") from None
-        except TruncatedJpeg:
-            raise SkipSample("truncated_jpeg") from None
-        except SkipSample:
-            raise
-        except Exception:
-            raise SkipSample("undecodable_image") from None
         # the CPU generator only: torch.manual_seed also seeds (lazily) every CUDA device, ~1 ms a call
         gen = torch.default_generator
         saved = gen.get_state()

@@ -11,7 +11,7 @@ view (the crop the contrastive term trains on), the same target for its ``n`` cr
 a row per masked patch: ``s (B, M, K)`` the student's ``patch`` head on its output tokens at the ``M``
 positions whose patch embeddings the mask token replaced, ``t (B, M, K)`` the teacher's on the unmasked view
 at those positions. ``R`` counts the rows. ``c (K,)``, the centre, is a buffer (saved with every
-checkpoint): after each accepted step ``c <- m c + (1 - m) mean(t)`` over the global batch's teacher rows
+checkpoint): after each accepted step ``c <- m c + (1 - m) mean(t)`` over the global batch's teacher outputs
 (an all-reduce), as DINO's ``update_center``; the step uses the centre from before it.
 
 ``start_at``: the step the term starts at, as a share of the run's steps (a float in [0, 1), SigLIP 2's
@@ -149,9 +149,9 @@ class SelfSupervisedTerm(Objective):
                 raise ValueError(f"{self.name} at step {step} (from {self.start_step}) needs {self.student_key} and "
                                  f"{self.teacher_key}, which this forward was not given")
             return {key: self.centre.new_zeros(())}
+        self.propose(teacher)  # the teacher's own rows (a global view's once, not once per local crop: the same mean)
         if teacher.dim() == student.dim() - 1:  # one global target for each of a sample's local crops
             teacher = teacher.unsqueeze(1).expand_as(student)
-        self.propose(teacher)
         return {key: self.loss(student.flatten(0, -2), teacher.flatten(0, -2))}
 
 

@@ -13,7 +13,6 @@ CLIP step time (the decoder's cost, lower is better), with open_clip's ratio and
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 from open_clip.loss import ClipLoss, CoCaLoss
@@ -22,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from mmpretrain.losses import build_objective, total_of
 from mmpretrain.models import factory
 
-from benchlib import median, table, write_result
+from benchlib import interleaved, median, table, write_result
 
 # the evidence grid's CoCa (scripts/reports/grid.py COCA): mmpt-tiny-coca at the grid's widths, 16-token captions
 TINY = {"embed_dim": 64, "vision_cfg": {"width": 96, "layers": 3, "head_width": 32},
@@ -86,15 +85,7 @@ def main() -> int:
 
     coca, cfg = build("mmpt-tiny-coca", TINY)
     fns = steps(coca, args.batch, cfg["text_cfg"]["context_length"])
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(args.repeats):
-        for name, fn in fns.items():  # interleaved, so drift on the machine touches every row alike
-            for _ in range(2):
-                fn()
-            t0 = time.perf_counter()
-            for _ in range(args.iters):
-                fn()
-            times[name].append((time.perf_counter() - t0) / args.iters)
+    times = interleaved(fns, args.repeats, args.iters)
     med = {k: median(v) for k, v in times.items()}
     ratio_runs = [c / p for c, p in zip(times["ours CLIP + caption"], times["ours CLIP"])]
     ratio = median(ratio_runs)

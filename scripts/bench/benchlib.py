@@ -102,6 +102,22 @@ def write_result(name: str, ratio: float, higher_is_better: bool, target: float,
     return path
 
 
+def interleaved(fns: dict, repeats: int, iters: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Seconds per call of each zero-argument ``fns`` value, one figure per repeat: the functions take turns
+    within every repeat (``warmup`` untimed calls, then ``iters`` timed), so drift on the machine touches every
+    row alike."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            for _ in range(warmup):
+                fn()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            times[name].append((time.perf_counter() - t0) / iters)
+    return times
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

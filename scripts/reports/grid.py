@@ -72,7 +72,6 @@ CAPTION_VARIANTS = ("coca_clip", "coca_caption")
 # 110 steps left are ~1 time constant); DINO heads of 256 prototypes. ssl_sigmoid keeps the average too (never
 # evaluated: the cells score the trained weights), so the three differ in their loss terms only.
 SSL_HEAD = {"out_dim": 256, "hidden_dim": 256, "bottleneck_dim": 64, "start_at": 0.8}
-SSL_VARIANTS = ("ssl_sigmoid", "ssl_self_distill", "ssl_both")
 
 
 def siglip2(steps: int, distill: bool, masked: bool, start: float = 0.8) -> dict:
